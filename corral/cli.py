@@ -1,0 +1,181 @@
+"""``corral``: one command, a subcommand per component.
+
+Each subcommand parses its arguments here and hands them to a plain function; heavy imports
+(torch, transformers) happen inside the subcommand that needs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def _token_from_env(var: str | None, what: str) -> str | None:
+    """Secrets come from the environment variable a flag names, never from the command line."""
+    if var is None:
+        return None
+    token = os.environ.get(var)
+    if not token:
+        raise SystemExit(f"corral: {what}: environment variable {var} is not set or empty")
+    return token
+
+
+def cmd_model_tiny(args: argparse.Namespace) -> int:
+    from corral.engines.tiny_model import build_tiny_model
+
+    out = build_tiny_model(
+        Path(args.out), template=args.template, seed=args.seed, imprint=not args.no_imprint
+    )
+    print(out)
+    return 0
+
+
+def cmd_engine(args: argparse.Namespace) -> int:
+    from corral.engines.local.server import run_engine
+
+    run_engine(args.model, host=args.host, port=args.port, device=args.device)
+    return 0
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from corral.gateway.server import create_gateway
+
+    admin_token = _token_from_env(args.admin_token_var, "--admin-token-var")
+    if admin_token is None:
+        print(
+            "corral gateway: no --admin-token-var: session management is open to anyone who "
+            "can reach this port",
+            file=sys.stderr,
+        )
+    app = create_gateway(
+        args.engine_url,
+        args.model,
+        admin_token=admin_token,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        chat_template_kwargs=args.chat_template_kwargs,
+        max_sessions=args.max_sessions,
+        max_held_tokens=args.max_held_tokens,
+        session_ttl_s=args.session_ttl,
+        **({"model_name": args.served_model_name} if args.served_model_name else {}),
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from corral.run import run_main_job
+
+    return run_main_job(workdir=Path(args.workdir), episodes=args.episodes, seed=args.seed)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="corral",
+        description="corral: an agentic RL gym. A chat gateway records every turn as exact "
+        "training tokens.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser(
+        "run",
+        help="the main job on embedded defaults (local engine, gateway, tiny model)",
+        description="Build the tiny model if needed, start the local engine and the gateway on "
+        "127.0.0.1, play tool-calling conversations through the OpenAI SDK, and write the "
+        "recorded samples and drift report under WORKDIR.",
+    )
+    run.add_argument("--workdir", default=".corral", help="where models and outputs go")
+    run.add_argument("--episodes", type=int, default=4, help="conversations to play")
+    run.add_argument("--seed", type=int, default=0)
+    run.set_defaults(func=cmd_run)
+
+    model = sub.add_parser("model", help="build models").add_subparsers(
+        dest="model_command", required=True, metavar="KIND"
+    )
+    tiny = model.add_parser(
+        "tiny",
+        help="build the tiny offline chat model (Hugging Face format)",
+        description="A byte-level BPE tokenizer, a ChatML tool-calling template and small "
+        "random Qwen2 weights, imprinted with the tool-call format. Offline, in seconds.",
+    )
+    tiny.add_argument("out", help="output folder")
+    tiny.add_argument(
+        "--template",
+        choices=["qwen25", "qwen3"],
+        default="qwen25",
+        help="qwen3 drops earlier <think> blocks from history (to exercise drift)",
+    )
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--no-imprint", action="store_true", help="random weights only")
+    tiny.set_defaults(func=cmd_model_tiny)
+
+    engine = sub.add_parser(
+        "engine",
+        help="serve a model with the local engine (SGLang's native API; not SGLang)",
+        description="A transformers model behind SGLang's native API (/generate, "
+        "/abort_request, /update_weights_from_disk, ...). For CPU, tests and small runs; use "
+        "SGLang itself for real serving.",
+    )
+    engine.add_argument("--model", required=True, help="Hugging Face model folder")
+    engine.add_argument("--host", default="127.0.0.1")
+    engine.add_argument("--port", type=int, default=30000)
+    engine.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    engine.set_defaults(func=cmd_engine)
+
+    gateway = sub.add_parser(
+        "gateway",
+        help="serve the OpenAI chat gateway in front of an SGLang-API engine",
+        description="OpenAI chat completions per session; every turn is recorded as exact "
+        "training tokens (GET /sessions/{id}/samples).",
+    )
+    gateway.add_argument("--engine-url", required=True, help="SGLang server, router or local")
+    gateway.add_argument("--model", required=True, help="folder with the tokenizer + template")
+    gateway.add_argument("--host", default="127.0.0.1")
+    gateway.add_argument("--port", type=int, default=8000)
+    gateway.add_argument(
+        "--admin-token-var",
+        metavar="NAME",
+        help="environment variable holding the admin token for session management",
+    )
+    gateway.add_argument(
+        "--tool-call-parser", default="qwen25", help="qwen25 (hermes), qwen3_coder or llama3"
+    )
+    gateway.add_argument("--reasoning-parser", default="none", help="none or qwen3")
+    gateway.add_argument(
+        "--chat-template-kwargs",
+        type=_json_object,
+        default={},
+        help="JSON object passed to the chat template, e.g. '{\"enable_thinking\": false}'",
+    )
+    gateway.add_argument("--served-model-name", help="model name in answers (default: folder)")
+    gateway.add_argument("--max-sessions", type=int, default=10_000)
+    gateway.add_argument("--max-held-tokens", type=int, default=200_000_000)
+    gateway.add_argument("--session-ttl", type=float, default=3600.0, help="seconds idle")
+    gateway.set_defaults(func=cmd_gateway)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Engines: the engine protocol (SGLang's native API), its HTTP client and the local engine."""

@@ -1,0 +1,563 @@
+"""An async HTTP client of SGLang's native API, for a real SGLang server or router and for
+corral's local engine alike (both speak the same API; see ``corral.engines.protocol``).
+
+Contracts, for every method:
+
+- Only ``corral.engines.errors`` exceptions leave the client, never a raw ``httpx`` one:
+  the engine cannot be reached -> ``EngineUnavailable`` (names the URL); it did not answer in
+  time -> ``EngineTimeout``; it answered with a non-2xx status -> ``EngineStatusError`` (an
+  ``EngineProtocolError`` carrying the status and the engine's own message); it answered
+  with something that is not SGLang's API (non-JSON, wrong shape) -> ``EngineProtocolError``
+  saying what was wrong. ``health()`` is the one exception: it never raises.
+- Retries only where they cannot run a request twice. A connection that could not be
+  established (nothing was sent) is retried for every call, ``retries`` times with a short
+  exponential backoff. A request that may have reached the engine (read timeout, connection
+  reset after sending) is retried only for idempotent calls (the GETs, ``abort`` and
+  ``flush_cache``), never for ``generate``, ``stream`` or ``update_weights_from_disk``.
+- Non-2xx answers are never retried: the engine decided.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+import httpx
+from pydantic import BaseModel, ValidationError
+
+from corral.engines.errors import (
+    EngineError,
+    EngineProtocolError,
+    EngineTimeout,
+    EngineUnavailable,
+)
+from corral.engines.protocol import (
+    AbortRequest,
+    GenerateRequest,
+    GenerateResponse,
+    LogprobEntry,
+    ModelInfo,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsResponse,
+)
+from corral.engines.stream import StreamDelta
+
+__all__ = ["EngineStatusError", "SGLangClient"]
+
+log = logging.getLogger(__name__)
+
+_M = TypeVar("_M", bound=BaseModel)
+_T = TypeVar("_T")
+
+# SGLang's own /health may run a one-token generation and waits up to 20 s for it
+# (SGLANG_HEALTH_CHECK_TIMEOUT); a health probe should not wait the full generate timeout.
+_HEALTH_TIMEOUT = 30.0
+_BACKOFF_FIRST = 0.1
+_BACKOFF_MAX = 1.0
+_MESSAGE_MAX = 500  # how much of an engine's error body goes into an exception message
+
+
+class EngineStatusError(EngineProtocolError):
+    """The engine answered with an error: a non-2xx status, or an error object mid-stream.
+
+    ``status_code`` is the HTTP status (200 for an error object inside a 200 stream);
+    ``engine_message`` is the engine's own message (SGLang's ``error.message``, FastAPI's
+    ``detail``, or the body's text), so a gateway can pass a 400 on as a 400.
+    """
+
+    def __init__(self, message: str, *, status_code: int, engine_message: str) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.engine_message = engine_message
+
+
+class SGLangClient:
+    """Client of SGLang's native HTTP API over one pooled HTTP/1.1 keep-alive connection pool.
+
+    ``timeout`` bounds each read (for ``generate``, the whole generation; for ``stream``, the
+    gap between two chunks) and each write; ``connect_timeout`` bounds establishing a
+    connection; ``retries`` is how many times a failed connection attempt is retried (so up
+    to ``retries + 1`` attempts). Proxy settings from the environment are ignored: an engine
+    is a cluster-internal service, and an ``HTTP_PROXY`` meant for package downloads must not
+    capture it.
+
+    Use it as an async context manager, or call ``aclose()``; a ``ValueError`` is raised at
+    construction for a URL that is not ``http(s)://...`` or for negative settings.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout: float = 300.0,
+        connect_timeout: float = 5.0,
+        max_connections: int = 512,
+        retries: int = 2,
+    ) -> None:
+        url = httpx.URL(base_url)
+        if url.scheme not in ("http", "https") or not url.host:
+            raise ValueError(f"engine URL must be http(s)://host[:port], got {base_url!r}")
+        if timeout <= 0 or connect_timeout <= 0 or max_connections < 1 or retries < 0:
+            raise ValueError(
+                "timeout and connect_timeout must be > 0, max_connections >= 1, retries >= 0"
+            )
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.retries = retries
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url,
+            timeout=httpx.Timeout(timeout, connect=connect_timeout),
+            limits=httpx.Limits(
+                max_connections=max_connections, max_keepalive_connections=max_connections
+            ),
+            trust_env=False,
+        )
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close every pooled connection. Idempotent."""
+        await self._client.aclose()
+
+    # --- generation -------------------------------------------------------------------
+
+    async def generate(self, req: GenerateRequest) -> GenerateResponse:
+        """``POST /generate`` with ``stream`` forced off; returns the whole answer.
+
+        ``output_ids`` is always filled: an engine that leaves it out (older SGLang) has it
+        recovered from the ``output_token_logprobs`` triples. When logprobs were asked for,
+        there is exactly one per output token, else ``EngineProtocolError``. Sent once only.
+        """
+        body = req.model_copy(update={"stream": False}).model_dump(exclude_none=True)
+        resp = await self._checked("POST", "/generate", json_body=body, idempotent=False)
+        where = self._where("POST", "/generate")
+        return _complete_output_ids(_parse(resp, GenerateResponse, where), req, where)
+
+    async def stream(self, req: GenerateRequest) -> AsyncGenerator[StreamDelta, None]:
+        """``POST /generate`` with ``stream`` on; yields only the NEW tokens of each chunk.
+
+        Works with SGLang's default cumulative chunks and with
+        ``--incremental-streaming-output`` deltas alike (see ``_DeltaTracker``). The last
+        delta carries ``finish_reason``. The stream must end with ``data: [DONE]``; one that
+        stops before any ``finish_reason`` raises ``EngineProtocolError``, one whose
+        connection breaks raises ``EngineUnavailable``, one that stalls for ``timeout``
+        raises ``EngineTimeout``. Never retried once the request may have been sent.
+
+        Closing the iterator early (``aclose()``, cancellation, or ``break`` inside
+        ``contextlib.aclosing``) closes the HTTP response, which makes SGLang abort the
+        request. A bare ``break`` closes it only when the generator is finalized, so wrap
+        the iterator in ``aclosing`` to release the engine at once.
+        """
+        where = self._where("POST", "/generate")
+        body = req.model_copy(update={"stream": True}).model_dump(exclude_none=True)
+        resp = await self._request(
+            "POST", "/generate", json_body=body, idempotent=False, stream=True
+        )
+        try:
+            if resp.status_code >= 300:
+                await resp.aread()
+                raise _status_error(resp, where)
+            tracker = _DeltaTracker(req, where)
+            done = False
+            async with aclosing(_sse_data(resp, where, tracker)) as events:
+                async for data in events:
+                    if data == "[DONE]":
+                        done = True
+                        break
+                    if tracker.finished:
+                        raise EngineProtocolError(
+                            f"{where}: data after the final chunk: {data!r:.200}"
+                        )
+                    yield tracker.delta(_parse_chunk(data, where, resp.status_code))
+            if not done and not tracker.finished:
+                raise EngineProtocolError(
+                    f"{where}: stream ended without [DONE] and without a finish_reason "
+                    f"after {tracker.seen_tokens} tokens"
+                )
+        finally:
+            # Closing an unfinished HTTP/1.1 response drops its connection, which is how the
+            # engine learns that nobody listens any more and aborts the request.
+            await resp.aclose()
+
+    # --- control ----------------------------------------------------------------------
+
+    async def abort(self, rid: str) -> None:
+        """``POST /abort_request {rid}``. Aborting an unknown or finished rid is a no-op on
+        SGLang's side; retried after a reset too, since aborting twice is harmless."""
+        body = AbortRequest(rid=rid).model_dump()
+        await self._checked("POST", "/abort_request", json_body=body, idempotent=True)
+
+    async def abort_all(self) -> None:
+        """``POST /abort_request {abort_all: true}``: abort every request on the engine."""
+        body = AbortRequest(abort_all=True).model_dump()
+        await self._checked("POST", "/abort_request", json_body=body, idempotent=True)
+
+    async def health(self, *, read_timeout: float | None = None) -> bool:
+        """``GET /health``: True on a 2xx, False on anything else. Never raises.
+
+        Waits at most ``read_timeout`` for the answer (default: the client's timeout, capped
+        at 30 s).
+        """
+        limit = read_timeout if read_timeout is not None else min(self.timeout, _HEALTH_TIMEOUT)
+        try:
+            resp = await self._request("GET", "/health", idempotent=True, read_timeout=limit)
+        except EngineError:
+            return False
+        except Exception:  # never raises, whatever breaks
+            log.exception("health check of %s failed unexpectedly", self.base_url)
+            return False
+        return resp.is_success
+
+    async def get_model_info(self) -> ModelInfo:
+        """``GET /get_model_info``: model path, tokenizer path, weight version."""
+        resp = await self._checked("GET", "/get_model_info", idempotent=True)
+        return _parse(resp, ModelInfo, self._where("GET", "/get_model_info"))
+
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        *,
+        weight_version: str | None = None,
+        read_timeout: float | None = None,
+    ) -> UpdateWeightsResponse:
+        """``POST /update_weights_from_disk``: load new weights in place.
+
+        SGLang answers ``{success, message, num_paused_requests}`` with 200, or with 400 when
+        ``success`` is false; either way a false ``success`` raises ``EngineError`` with the
+        engine's message. ``read_timeout`` overrides the client's timeout (loading a large
+        checkpoint can take minutes). Sent once only: a load may have started.
+        """
+        where = self._where("POST", "/update_weights_from_disk")
+        body = UpdateWeightsFromDiskRequest(
+            model_path=model_path, weight_version=weight_version
+        ).model_dump(exclude_none=True)
+        resp = await self._request(
+            "POST",
+            "/update_weights_from_disk",
+            json_body=body,
+            idempotent=False,
+            read_timeout=read_timeout,
+        )
+        try:
+            out = _parse(resp, UpdateWeightsResponse, where)
+        except EngineProtocolError:
+            if resp.is_success:
+                raise
+            raise _status_error(resp, where) from None
+        if not out.success:
+            raise EngineError(f"{where}: loading {model_path!r} failed: {out.message}")
+        if not resp.is_success:  # success true with an error status: trust neither
+            raise _status_error(resp, where)
+        return out
+
+    async def flush_cache(self) -> None:
+        """``POST /flush_cache``. SGLang refuses (400) while requests are running; that
+        raises ``EngineStatusError`` with its message."""
+        await self._checked("POST", "/flush_cache", idempotent=True)
+
+    # --- transport --------------------------------------------------------------------
+
+    def _where(self, method: str, path: str) -> str:
+        return f"{method} {self.base_url}{path}"
+
+    async def _checked(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: dict[str, Any] | None = None,
+        idempotent: bool,
+    ) -> httpx.Response:
+        """``_request`` that turns a non-2xx answer into ``EngineStatusError``."""
+        resp = await self._request(method, path, json_body=json_body, idempotent=idempotent)
+        if not resp.is_success:
+            raise _status_error(resp, self._where(method, path))
+        return resp
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: dict[str, Any] | None = None,
+        idempotent: bool,
+        stream: bool = False,
+        read_timeout: float | None = None,
+    ) -> httpx.Response:
+        """Send one request with the retry policy of the module docstring.
+
+        Returns the response whatever its status (with ``stream=True``, unread: the caller
+        must ``aclose()`` it). Raises ``EngineUnavailable`` / ``EngineTimeout`` /
+        ``EngineError``, never an ``httpx`` exception.
+        """
+        where = self._where(method, path)
+        attempt = 0
+        while True:
+            request = self._client.build_request(
+                method,
+                path,
+                json=json_body,
+                timeout=(
+                    httpx.Timeout(read_timeout, connect=self.connect_timeout)
+                    if read_timeout is not None
+                    else httpx.USE_CLIENT_DEFAULT
+                ),
+            )
+            try:
+                return await self._client.send(request, stream=stream)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                # Nothing reached the engine: safe to try again whatever the call.
+                error: EngineError = EngineUnavailable(
+                    f"{where}: cannot connect to the engine at {self.base_url}: {_describe(exc)}"
+                )
+                retry = True
+            except httpx.PoolTimeout as exc:
+                # Nothing was sent, but every pooled connection stayed busy for the whole
+                # timeout: the client is saturated, and retrying would only queue longer.
+                raise EngineTimeout(
+                    f"{where}: no free pooled connection to {self.base_url} within "
+                    f"{read_timeout or self.timeout}s (raise max_connections?)"
+                ) from exc
+            except httpx.TimeoutException as exc:
+                error = EngineTimeout(
+                    f"{where}: no answer within {read_timeout or self.timeout}s: {_describe(exc)}"
+                )
+                retry = idempotent
+            except httpx.TransportError as exc:
+                # Reset or closed after (part of) the request went out: the engine may be
+                # running it, so only an idempotent call may be sent again.
+                error = EngineUnavailable(
+                    f"{where}: connection to the engine at {self.base_url} lost: {_describe(exc)}"
+                )
+                retry = idempotent
+            except httpx.HTTPError as exc:  # anything else httpx may invent
+                raise EngineError(f"{where}: {_describe(exc)}") from exc
+            if not retry or attempt >= self.retries:
+                raise error
+            delay = min(_BACKOFF_FIRST * 2**attempt, _BACKOFF_MAX)
+            attempt += 1
+            log.warning(
+                "%s (attempt %d of %d, retrying in %.2fs)", error, attempt, self.retries + 1, delay
+            )
+            await asyncio.sleep(delay)
+
+
+# --- streaming --------------------------------------------------------------------------
+
+
+class _DeltaTracker:
+    """Turns SGLang stream chunks into ``StreamDelta``s holding only the new tokens.
+
+    Each per-token field (``output_ids``, ``output_token_logprobs``,
+    ``output_top_logprobs``) is judged on its own against ``meta_info.completion_tokens``
+    (the running total), because SGLang versions differ: by default every field is
+    cumulative; with ``--incremental-streaming-output`` every field is a delta; older
+    versions with ``--stream-output`` sent delta ``output_ids`` next to cumulative logprobs.
+    A field whose length is the total is cumulative (its new part is the tail after the
+    tokens already seen); one whose length is total minus seen is a delta. Either reading
+    agrees on the first chunk; any other length raises ``EngineProtocolError``.
+    """
+
+    def __init__(self, req: GenerateRequest, where: str) -> None:
+        self._want_logprobs = req.return_logprob
+        self._want_top = req.return_logprob and req.top_logprobs_num > 0
+        self._where = where
+        self.seen_tokens = 0
+        self.finished = False
+
+    def delta(self, chunk: GenerateResponse) -> StreamDelta:
+        meta = chunk.meta_info
+        total = meta.completion_tokens
+        if total < self.seen_tokens:
+            raise EngineProtocolError(
+                f"{self._where}: completion_tokens went back from {self.seen_tokens} to {total}"
+            )
+        logprobs: list[LogprobEntry] = []
+        if self._want_logprobs:
+            logprobs = self._new(meta.output_token_logprobs, total, "output_token_logprobs")
+        if chunk.output_ids or not logprobs:
+            ids = self._new(chunk.output_ids, total, "output_ids")
+        else:  # no output_ids in the chunk (older SGLang): the triples carry the ids
+            ids = [entry[1] for entry in logprobs]
+        if self._want_logprobs and len(logprobs) != len(ids):
+            raise EngineProtocolError(
+                f"{self._where}: {len(ids)} new tokens but {len(logprobs)} new logprobs"
+            )
+        top = (
+            self._new(meta.output_top_logprobs, total, "output_top_logprobs")
+            if (self._want_top)
+            else []
+        )
+        self.seen_tokens = total
+        self.finished = meta.finish_reason is not None
+        return StreamDelta(
+            token_ids=ids,
+            logprobs=[entry[0] for entry in logprobs],
+            top_logprobs=top,
+            finish_reason=meta.finish_reason,
+            weight_version=meta.weight_version,
+            prompt_tokens=meta.prompt_tokens,
+            completion_tokens=total,
+        )
+
+    def _new(self, items: list[_T], total: int, field: str) -> list[_T]:
+        if len(items) == total:  # cumulative: everything so far
+            return items[self.seen_tokens :]
+        if self.seen_tokens + len(items) == total:  # incremental: only the new part
+            return items
+        raise EngineProtocolError(
+            f"{self._where}: chunk has {len(items)} {field} with completion_tokens={total} "
+            f"after {self.seen_tokens} tokens; neither cumulative nor incremental"
+        )
+
+
+async def _sse_data(
+    resp: httpx.Response, where: str, tracker: _DeltaTracker
+) -> AsyncGenerator[str, None]:
+    """Yield the ``data`` of each server-sent event of ``resp``.
+
+    Events end at a blank line; several ``data:`` lines of one event are joined with
+    newlines (the SSE rule); comments and other fields are skipped. An event left open at
+    the end of the body is still delivered (SGLang always closes them, others may not).
+    """
+    lines: list[str] = []
+    try:
+        async for line in resp.aiter_lines():
+            if not line:
+                if lines:
+                    yield "\n".join(lines)
+                    lines = []
+                continue
+            if line.startswith("data:"):
+                value = line[5:]
+                lines.append(value[1:] if value.startswith(" ") else value)
+            # Anything else (": comment", "event:", "id:", "retry:") carries no payload.
+        if lines:
+            yield "\n".join(lines)
+    except httpx.TimeoutException as exc:
+        raise EngineTimeout(
+            f"{where}: no stream chunk within the read timeout after {tracker.seen_tokens} "
+            f"tokens: {_describe(exc)}"
+        ) from exc
+    except httpx.TransportError as exc:
+        raise EngineUnavailable(
+            f"{where}: connection lost mid-stream after {tracker.seen_tokens} tokens: "
+            f"{_describe(exc)}"
+        ) from exc
+
+
+def _parse_chunk(data: str, where: str, status_code: int) -> GenerateResponse:
+    try:
+        raw = json.loads(data)
+    except ValueError:
+        raise EngineProtocolError(f"{where}: stream chunk is not JSON: {data!r:.200}") from None
+    if isinstance(raw, dict) and "error" in raw and "meta_info" not in raw:
+        # SGLang reports a failure inside a started stream as {"error": {"message": ...}}.
+        message = _error_message(raw) or json.dumps(raw)[:_MESSAGE_MAX]
+        raise EngineStatusError(
+            f"{where}: the engine failed mid-stream: {message}",
+            status_code=status_code,
+            engine_message=message,
+        )
+    return _validate(raw, GenerateResponse, where, what="stream chunk")
+
+
+# --- parsing ----------------------------------------------------------------------------
+
+
+def _parse(resp: httpx.Response, model: type[_M], where: str) -> _M:
+    """The body of ``resp`` as ``model``; ``EngineProtocolError`` saying what is wrong."""
+    try:
+        raw = resp.json()
+    except ValueError:
+        raise EngineProtocolError(
+            f"{where}: HTTP {resp.status_code} answer is not JSON: {resp.text[:200]!r}"
+        ) from None
+    return _validate(raw, model, where, what="answer")
+
+
+def _validate(raw: object, model: type[_M], where: str, *, what: str) -> _M:
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}"
+            for e in exc.errors()[:5]
+        )
+        raise EngineProtocolError(
+            f"{where}: {what} is not SGLang's {model.__name__}: {problems}"
+        ) from None
+
+
+def _complete_output_ids(
+    out: GenerateResponse, req: GenerateRequest, where: str
+) -> GenerateResponse:
+    logprobs = out.meta_info.output_token_logprobs
+    if not out.output_ids and logprobs:
+        out = out.model_copy(update={"output_ids": [entry[1] for entry in logprobs]})
+    if not out.output_ids and out.meta_info.completion_tokens > 0:
+        raise EngineProtocolError(
+            f"{where}: {out.meta_info.completion_tokens} tokens generated but the answer has "
+            "neither output_ids nor output_token_logprobs"
+        )
+    if req.return_logprob and len(logprobs) != len(out.output_ids):
+        raise EngineProtocolError(
+            f"{where}: {len(out.output_ids)} output tokens but {len(logprobs)} logprobs"
+        )
+    return out
+
+
+def _error_message(raw: object) -> str | None:
+    """The message in an engine's error body, in any of the shapes SGLang uses:
+    ``{"error": {"message"}}``, ``{"error": "..."}``, ``{"message"}`` (its OpenAI-style
+    ErrorResponse and update-weights answers), ``{"detail"}`` (FastAPI)."""
+    if not isinstance(raw, dict):
+        return None
+    error = raw.get("error")
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        return str(error["message"])
+    if isinstance(error, str):
+        return error
+    for key in ("message", "detail"):
+        value = raw.get(key)
+        if isinstance(value, str) and value:
+            return value
+        if value is not None and key == "detail":
+            return json.dumps(value)[:_MESSAGE_MAX]
+    return None
+
+
+def _status_error(resp: httpx.Response, where: str) -> EngineStatusError:
+    """``EngineStatusError`` for a non-2xx answer, with the engine's message. ``resp``
+    must have been read."""
+    try:
+        message = _error_message(resp.json())
+    except ValueError:
+        message = None
+    if message is None:
+        message = resp.text.strip()[:_MESSAGE_MAX] or resp.reason_phrase
+    return EngineStatusError(
+        f"{where}: HTTP {resp.status_code}: {message}",
+        status_code=resp.status_code,
+        engine_message=message,
+    )
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -1,0 +1,1 @@
+"""Env bundles served over HTTP + WebSocket (issue 3)."""

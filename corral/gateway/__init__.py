@@ -1,0 +1,1 @@
+"""The OpenAI chat gateway: sessions, turn recording, sample merging, templates and parsers."""

@@ -1,0 +1,1 @@
+"""Parsers that turn model text into OpenAI fields: tool calls and reasoning."""

@@ -1,0 +1,482 @@
+"""Gateway sessions: what a session holds, and the store that caps, expires and finds them.
+
+A session is one episode's conversation with the model: its options (``POST /sessions``), the
+merger that folds its turns into trajectories, its reward, and a small replay cache so an SDK's
+retry of a request it never saw answered gets the same answer instead of a second turn.
+
+Lifecycle: ``SessionStore.create`` -> turns are ``record``ed -> reward set -> ``samples`` taken
+-> ``delete`` (or expiry ``ttl_s`` after last use). A deleted or expired session is gone: it is
+never found again and never recreated, and a turn that finishes after the delete raises
+:class:`SessionClosed` instead of resurrecting it.
+
+Not thread-safe: the gateway runs on one event loop and calls all of this from it, never from
+worker threads; nothing here awaits, so each call is atomic with respect to that loop.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from corral.gateway.recording import (
+    Decode,
+    MergeDecision,
+    Trajectory,
+    TrajectoryMerger,
+    TurnRecord,
+)
+from corral.gateway.samples import Sample, SampleStatus, status_for_finish
+
+REPLAY_CACHE_SIZE = 32
+
+
+class SessionError(Exception):
+    """Base class of session errors."""
+
+
+class SessionNotFound(SessionError):
+    """No such session: never created, deleted, or expired (the gateway answers 404)."""
+
+
+class SessionClosed(SessionError):
+    """The session was deleted or expired while a request on it was in flight."""
+
+
+class StoreFull(SessionError):
+    """The store is at its session or token cap (the gateway answers 429)."""
+
+
+class SamplingOverrides(BaseModel):
+    """The sampling settings a session may force over its clients' values."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)  # -1: no top-k (SGLang's convention)
+    max_tokens: int | None = Field(default=None, ge=1)
+    seed: int | None = None
+    stop: list[str] | None = None
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_not_zero(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("top_k must be -1 (off) or at least 1")
+        return value
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+
+class SessionOptions(BaseModel):
+    """The body of ``POST /sessions``.
+
+    ``sampling`` overrides win over the client's values; its keys must be among
+    ``temperature, top_p, top_k, max_tokens, seed, stop``, and it is normalised to the keys
+    actually set (``stop`` always a list). ``ttl_s`` (seconds after last use) defaults to the
+    store's. ``group_index``/``index`` are carried into the samples; ``metadata`` too.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    sampling: dict[str, Any] = Field(default_factory=dict)
+    max_context_tokens: int | None = Field(default=None, ge=1)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    ttl_s: float | None = Field(default=None, gt=0.0)
+    group_index: int | None = None
+    index: int | None = None
+
+    @field_validator("sampling", mode="before")
+    @classmethod
+    def _validate_sampling(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value  # the dict type check reports it
+        allowed = set(SamplingOverrides.model_fields)
+        unknown = sorted(set(value) - allowed)
+        if unknown:
+            raise ValueError(f"unknown sampling override(s) {unknown}; allowed: {sorted(allowed)}")
+        try:
+            overrides = SamplingOverrides.model_validate(value)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
+            )
+            raise ValueError(f"invalid sampling override(s): {problems}") from None
+        return overrides.model_dump(exclude_none=True)
+
+
+# Called by a session after each recorded turn with the decision and the tokens it added.
+RecordListener = Callable[[MergeDecision, int], None]
+
+
+class Session:
+    """One gateway session. Create it through :meth:`SessionStore.create`.
+
+    ``clock`` is the store's clock (seconds, monotonic); ``ttl_s`` ``None`` means no expiry.
+    """
+
+    def __init__(
+        self,
+        session_id: str,
+        options: SessionOptions,
+        *,
+        ttl_s: float | None,
+        clock: Callable[[], float],
+        decode: Decode | None = None,
+        on_record: RecordListener | None = None,
+        replay_cache_size: int = REPLAY_CACHE_SIZE,
+    ) -> None:
+        self.id = session_id
+        self.api_key = secrets.token_urlsafe(32)
+        self.options = options
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self.created_at = clock()
+        self.last_used = self.created_at
+        self._merger = TrajectoryMerger(decode)
+        self._on_record = on_record
+        self._replay: OrderedDict[str, Any] = OrderedDict()
+        self._replay_cache_size = replay_cache_size
+        self._closed = False
+        self._reward: float | None = None
+        self._failure: str | None = None
+
+    # -- state ---------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def expires_at(self) -> float | None:
+        return None if self.ttl_s is None else self.last_used + self.ttl_s
+
+    def is_expired(self, now: float) -> bool:
+        expires = self.expires_at
+        return expires is not None and now >= expires
+
+    def touch(self) -> None:
+        """Mark the session used now (its TTL counts from here)."""
+        self.last_used = self._clock()
+
+    def close(self) -> None:
+        """Close for good (the store calls this on delete and expiry). Idempotent."""
+        self._closed = True
+        self._replay.clear()
+
+    @property
+    def merger(self) -> TrajectoryMerger:
+        return self._merger
+
+    @property
+    def held_tokens(self) -> int:
+        return self._merger.held_tokens
+
+    @property
+    def reward(self) -> float | None:
+        return self._reward
+
+    @property
+    def failure(self) -> str | None:
+        return self._failure
+
+    # -- turns ---------------------------------------------------------------------------
+
+    def record(self, turn: TurnRecord) -> MergeDecision:
+        """Merge a served turn into the session's trajectories.
+
+        Raises :class:`SessionClosed` if the session was deleted or expired meanwhile (nothing
+        is recorded then). The store's token cap is not enforced here: the gateway checks it
+        with :meth:`SessionStore.check_capacity` before generating, since tokens already
+        generated are worth keeping.
+        """
+        self._ensure_open()
+        before = self._merger.held_tokens
+        decision = self._merger.add(turn)
+        self.touch()
+        if self._on_record is not None:
+            self._on_record(decision, self._merger.held_tokens - before)
+        return decision
+
+    def set_reward(self, reward: float) -> None:
+        """Set the episode's reward (on every sample). Must be finite; may be set again."""
+        self._ensure_open()
+        if not math.isfinite(reward):
+            raise ValueError(f"reward must be a finite number, got {reward!r}")
+        self._reward = float(reward)
+        self.touch()
+
+    def mark_failed(self, reason: str) -> None:
+        """Flag the episode as failed: every sample gets status ``failed`` and the reason, so
+        the trainer drops its group instead of training on a silent 0."""
+        self._ensure_open()
+        self._failure = reason
+        self.touch()
+
+    # -- replay cache --------------------------------------------------------------------
+
+    def remember(self, key: str, response: Any) -> None:
+        """Keep ``response`` as the answer to request ``key`` (the last few keys are kept)."""
+        self._replay[key] = response
+        self._replay.move_to_end(key)
+        while len(self._replay) > self._replay_cache_size:
+            self._replay.popitem(last=False)
+
+    def recall(self, key: str) -> Any | None:
+        """The remembered answer to request ``key``, or ``None``."""
+        return self._replay.get(key)
+
+    # -- outputs -------------------------------------------------------------------------
+
+    def samples(self) -> list[Sample]:
+        """One sample per trajectory, in the order they started.
+
+        ``rollout_id`` is the session id; ``index`` is the session option's ``index`` when set,
+        else the sample's position (the position is always in ``metadata["sample_index"]``).
+        """
+        trajectories = self._merger.trajectories
+        return [
+            self._sample(t, position, len(trajectories)) for position, t in enumerate(trajectories)
+        ]
+
+    def _sample(self, t: Trajectory, position: int, count: int) -> Sample:
+        turns = self._merger.turns
+        first = turns[t.turns[0]]
+        status: SampleStatus = (
+            "failed" if self._failure is not None else status_for_finish(t.last_finish_reason)
+        )
+        metadata: dict[str, Any] = dict(self.options.metadata)
+        metadata.update(
+            session_id=self.id,
+            sample_index=position,
+            num_samples=count,
+            trajectory=t.index,
+            num_turns=len(t.turns),
+            turns=list(t.turns),
+            weight_versions=list(t.weight_versions),
+            finish_reasons=list(t.finish_reasons),
+            origin=t.origin,
+            drift=None if first.drift is None else first.drift.to_dict(),
+            turn_metadata=[{"turn": i, **turns[i].metadata} for i in t.turns if turns[i].metadata],
+        )
+        if self._failure is not None:
+            metadata["failure"] = self._failure
+        return Sample(
+            tokens=t.tokens.tolist(),
+            response_length=t.response_length,
+            loss_mask=t.loss_mask.tolist(),
+            rollout_log_probs=t.log_probs.tolist(),
+            reward=self._reward,
+            status=status,
+            metadata=metadata,
+            group_index=self.options.group_index,
+            index=self.options.index if self.options.index is not None else position,
+            rollout_id=self.id,
+        )
+
+    def drift_report(self) -> dict[str, Any]:
+        """Merge counts and every fork's explanation, JSON-ready."""
+        counts = self._merger.counts()
+        return {
+            "turns": counts.turns,
+            "merges": counts.merges,
+            "forks": counts.forks,
+            "by_reason": counts.by_reason,
+            "events": [e.to_dict() for e in self._merger.drift_events()],
+        }
+
+    def view(self) -> dict[str, Any]:
+        """JSON-ready state for ``GET /sessions/{id}`` (never the api key)."""
+        now = self._clock()
+        expires = self.expires_at
+        return {
+            "id": self.id,
+            "closed": self._closed,
+            "age_s": now - self.created_at,
+            "idle_s": now - self.last_used,
+            "expires_in_s": None if expires is None else max(0.0, expires - now),
+            "options": self.options.model_dump(),
+            "reward": self._reward,
+            "failure": self._failure,
+            "held_tokens": self._merger.held_tokens,
+            "trajectories": [t.summary() for t in self._merger.trajectories],
+            "turns": [e.summary() for e in self._merger.turns],
+            "drift": self.drift_report(),
+        }
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise SessionClosed(f"session {self.id!r} was closed")
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """Gauges (``sessions``, ``held_tokens``) and counters since the store started."""
+
+    sessions: int
+    held_tokens: int
+    turns_total: int
+    merges_total: int
+    forks_total: int
+    created_total: int
+    deleted_total: int
+    expired_total: int
+    decisions_by_reason: dict[str, int] = field(default_factory=dict)
+
+
+class SessionStore:
+    """All open sessions, with a session cap, a held-token cap and expiry after last use.
+
+    ``default_ttl_s`` applies to sessions whose options give none (``None``: no expiry).
+    ``clock`` is injectable for tests. ``decode`` (ids -> text) is used for drift snippets.
+    Not thread-safe: call it from the gateway's event loop only.
+    """
+
+    def __init__(
+        self,
+        max_sessions: int,
+        max_held_tokens: int,
+        default_ttl_s: float | None,
+        clock: Callable[[], float] = time.monotonic,
+        decode: Decode | None = None,
+    ) -> None:
+        self.max_sessions = max_sessions
+        self.max_held_tokens = max_held_tokens
+        self.default_ttl_s = default_ttl_s
+        self._clock = clock
+        self._decode = decode
+        self._sessions: dict[str, Session] = {}
+        self._by_key: dict[str, str] = {}
+        self._held_tokens = 0
+        self._reasons: Counter[str] = Counter()
+        self._turns = 0
+        self._merges = 0
+        self._forks = 0
+        self._created = 0
+        self._deleted = 0
+        self._expired = 0
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    @property
+    def held_tokens(self) -> int:
+        return self._held_tokens
+
+    def create(self, options: SessionOptions, *, decode: Decode | None = None) -> Session:
+        """Open a session. Expired sessions are reaped first so they do not count.
+
+        Raises :class:`StoreFull` at the session cap or when the token cap is already reached.
+        """
+        self.reap()
+        if len(self._sessions) >= self.max_sessions:
+            raise StoreFull(
+                f"session store is full: {len(self._sessions)} open sessions "
+                f"(max_sessions={self.max_sessions}); retry after some sessions end"
+            )
+        if self._held_tokens >= self.max_held_tokens:
+            raise StoreFull(
+                f"session store is full: holding {self._held_tokens} tokens "
+                f"(max_held_tokens={self.max_held_tokens}); retry after some sessions end"
+            )
+        session_id = secrets.token_hex(12)
+        ttl = options.ttl_s if options.ttl_s is not None else self.default_ttl_s
+        session = Session(
+            session_id,
+            options,
+            ttl_s=ttl,
+            clock=self._clock,
+            decode=decode or self._decode,
+            on_record=self._on_record,
+        )
+        self._sessions[session_id] = session
+        self._by_key[session.api_key] = session_id
+        self._created += 1
+        return session
+
+    def get(self, session_id: str) -> Session:
+        """The open session ``session_id``, marked used. Raises :class:`SessionNotFound` if it
+        does not exist, was deleted, or has expired (an expired one is removed here)."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise SessionNotFound(f"session {session_id!r} not found")
+        return self._live(session)
+
+    def by_api_key(self, api_key: str) -> Session:
+        """The open session whose key is ``api_key``, marked used (as :meth:`get`)."""
+        session_id = self._by_key.get(api_key)
+        if session_id is None:
+            raise SessionNotFound("no session for this api key")
+        return self._live(self._sessions[session_id])
+
+    def delete(self, session_id: str) -> None:
+        """Close and forget a session. Raises :class:`SessionNotFound` if it is not open."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise SessionNotFound(f"session {session_id!r} not found")
+        self._remove(session)
+        self._deleted += 1
+
+    def reap(self) -> list[str]:
+        """Remove every session idle longer than its TTL; return their ids."""
+        now = self._clock()
+        expired = [s for s in self._sessions.values() if s.is_expired(now)]
+        for session in expired:
+            self._remove(session)
+        self._expired += len(expired)
+        return [s.id for s in expired]
+
+    def check_capacity(self, extra_tokens: int) -> None:
+        """Raise :class:`StoreFull` if holding ``extra_tokens`` more would pass the token cap."""
+        if self._held_tokens + extra_tokens > self.max_held_tokens:
+            raise StoreFull(
+                f"session store is full: holding {self._held_tokens} tokens, a turn of up to "
+                f"{extra_tokens} more would pass max_held_tokens={self.max_held_tokens}; "
+                "retry after some sessions end"
+            )
+
+    def stats(self) -> StoreStats:
+        return StoreStats(
+            sessions=len(self._sessions),
+            held_tokens=self._held_tokens,
+            turns_total=self._turns,
+            merges_total=self._merges,
+            forks_total=self._forks,
+            created_total=self._created,
+            deleted_total=self._deleted,
+            expired_total=self._expired,
+            decisions_by_reason=dict(self._reasons),
+        )
+
+    def _live(self, session: Session) -> Session:
+        if session.is_expired(self._clock()):
+            self._remove(session)
+            self._expired += 1
+            raise SessionNotFound(f"session {session.id!r} not found (expired)")
+        session.touch()
+        return session
+
+    def _remove(self, session: Session) -> None:
+        session.close()
+        del self._sessions[session.id]
+        del self._by_key[session.api_key]
+        self._held_tokens -= session.held_tokens
+
+    def _on_record(self, decision: MergeDecision, added_tokens: int) -> None:
+        self._held_tokens += added_tokens
+        self._turns += 1
+        self._reasons[decision.reason] += 1
+        if decision.action == "append":
+            self._merges += 1
+        elif decision.reason != "first_turn":
+            self._forks += 1

@@ -1,0 +1,165 @@
+"""``corral run``: the main job on embedded defaults.
+
+Today: build the tiny model (once, cached under the workdir), start the local engine and the
+gateway on 127.0.0.1, and play tool-calling conversations through the official OpenAI SDK,
+exactly as a black-box agent would, then collect each session's samples and drift report.
+The env server and the trainer join this job as they land (DESIGN.md, "A rollout, end to end").
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.progress import track
+from rich.table import Table
+
+from corral.engines.tiny_model import CITIES, CONDITIONS, TOOLS, build_tiny_model
+from corral.stack import local_stack
+
+
+@dataclass(frozen=True)
+class EpisodeResult:
+    session_id: str
+    cities: list[str]
+    answer: str
+    reward: float
+    turns: int
+    samples: list[dict[str, Any]]
+    drift: dict[str, Any]
+
+
+def weather_tool(city: str, rng: random.Random) -> tuple[str, str]:
+    """The episode's tool, run here on the agent's side: a made-up forecast."""
+    condition = rng.choice(CONDITIONS)
+    return condition, json.dumps(
+        {"city": city, "condition": condition, "temp_c": rng.randint(-5, 35)}
+    )
+
+
+def play_episode(
+    gateway: str, rng: random.Random, *, stream: bool, max_turns: int = 4
+) -> EpisodeResult:
+    """One conversation through a fresh session with the OpenAI SDK; the reward is 1 when the
+    final answer names every forecast condition the tool returned, else 0."""
+    from openai import OpenAI
+
+    session = httpx.post(f"{gateway}/sessions", json={"metadata": {"job": "corral run"}}).json()
+    client = OpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=0)
+    cities = rng.sample(CITIES, k=rng.choice([1, 2]))
+    question = " and ".join(cities)
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": f"What is the weather in {question}?"}
+    ]
+    expected: list[str] = []
+    answer = ""
+    for _ in range(max_turns):
+        message = _ask(client, messages, stream=stream)
+        messages.append(message)
+        calls = message.get("tool_calls") or []
+        if not calls:
+            answer = message.get("content") or ""
+            break
+        for call in calls:
+            args = json.loads(call["function"]["arguments"])
+            condition, result = weather_tool(str(args.get("city")), rng)
+            expected.append(condition)
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+    reward = float(bool(expected) and all(c in answer for c in expected))
+    httpx.post(f"{gateway}/sessions/{session['id']}/reward", json={"reward": reward})
+    view = httpx.get(f"{gateway}/sessions/{session['id']}").json()
+    samples = httpx.get(f"{gateway}/sessions/{session['id']}/samples").json()
+    httpx.delete(f"{gateway}/sessions/{session['id']}")
+    return EpisodeResult(
+        session_id=session["id"],
+        cities=cities,
+        answer=answer,
+        reward=reward,
+        turns=len(view["turns"]),
+        samples=samples,
+        drift=view["drift"],
+    )
+
+
+def _ask(client: Any, messages: list[dict[str, Any]], *, stream: bool) -> dict[str, Any]:
+    kwargs = {"model": "tiny", "messages": messages, "tools": TOOLS, "temperature": 0}
+    if not stream:
+        reply = client.chat.completions.create(**kwargs)
+        return dict(reply.choices[0].message.model_dump(exclude_none=True))
+    content = ""
+    calls: dict[int, dict[str, Any]] = {}
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for tc in delta.tool_calls or []:
+            slot = calls.setdefault(
+                tc.index,
+                {"id": tc.id, "type": "function", "function": {"name": "", "arguments": ""}},
+            )
+            if tc.function and tc.function.name:
+                slot["function"]["name"] += tc.function.name
+            if tc.function and tc.function.arguments:
+                slot["function"]["arguments"] += tc.function.arguments
+    message: dict[str, Any] = {"role": "assistant", "content": content or None}
+    if calls:
+        message["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return message
+
+
+def run_main_job(*, workdir: Path, episodes: int = 4, seed: int = 0) -> int:
+    console = Console()
+    model_dir = workdir / "models" / "tiny-qwen25"
+    if not (model_dir / "config.json").exists():
+        console.print(f"building the tiny model in {model_dir} (offline, once)")
+        build_tiny_model(model_dir, template="qwen25", seed=seed)
+    out = workdir / "runs" / "gateway-demo"
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    results: list[EpisodeResult] = []
+    with local_stack(model_dir) as urls:
+        console.print(f"engine {urls.engine}  gateway {urls.gateway}")
+        for i in track(range(episodes), description="episodes", console=console):
+            results.append(play_episode(urls.gateway, rng, stream=i % 2 == 1))
+
+    table = Table(title="episodes through the gateway")
+    for col in (
+        "session",
+        "cities",
+        "mode",
+        "turns",
+        "samples",
+        "tokens",
+        "model tokens",
+        "reward",
+    ):
+        table.add_column(col)
+    with (out / "samples.jsonl").open("w") as f:
+        for i, r in enumerate(results):
+            for s in r.samples:
+                f.write(json.dumps(s) + "\n")
+            table.add_row(
+                r.session_id[:8],
+                ", ".join(r.cities),
+                "stream" if i % 2 else "plain",
+                str(r.turns),
+                str(len(r.samples)),
+                str(sum(len(s["tokens"]) for s in r.samples)),
+                str(sum(sum(s["loss_mask"]) for s in r.samples)),
+                f"{r.reward:.0f}",
+            )
+    (out / "drift.json").write_text(json.dumps([r.drift for r in results], indent=2))
+    console.print(table)
+    forks = sum(r.drift.get("forks", 0) for r in results)
+    console.print(
+        f"{len(results)} episodes, mean reward "
+        f"{sum(r.reward for r in results) / len(results):.2f}, {forks} forks; "
+        f"samples in {out / 'samples.jsonl'}"
+    )
+    return 0

@@ -1,0 +1,1 @@
+"""The Megatron-core trainer (issue 6)."""
