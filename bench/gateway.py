@@ -23,7 +23,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -259,93 +258,90 @@ def main() -> int:
     args = parser.parse_args()
     console = Console()
 
-    with tempfile.TemporaryDirectory() as tmp:
-        model = args.model
-        if model is None:
-            from corral.engines.tiny_model import build_tiny_model
+    model = args.model
+    if model is None:
+        from corral.engines.tiny_model import cached_tiny_model
 
-            console.print("building the tiny model ...")
-            model = str(build_tiny_model(Path(tmp) / "tiny", imprint=False))
-        from corral.serving import free_port
+        console.print("the tiny model (built once, then cached) ...")
+        model = str(cached_tiny_model("qwen25"))
+    from corral.serving import free_port
 
-        ep, gp = free_port(), free_port()
-        env = {**os.environ, "OMP_NUM_THREADS": "1", ADMIN_VAR: ADMIN}
-        engine = f"http://127.0.0.1:{ep}"
-        gateway = f"http://127.0.0.1:{gp}"
-        corral = [sys.executable, "-m", "corral.cli"]
-        with (
-            process(
-                [*corral, "engine", "--model", model, "--port", str(ep)], env, f"{engine}/health"
-            ),
-            process(
-                [
-                    *corral,
-                    "gateway",
-                    "--engine-url",
-                    engine,
-                    "--model",
-                    model,
-                    "--port",
-                    str(gp),
-                    "--admin-token-var",
-                    ADMIN_VAR,
-                ],
-                env,
-                f"{gateway}/health",
-            ) as gw_proc,
+    ep, gp = free_port(), free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", ADMIN_VAR: ADMIN}
+    engine = f"http://127.0.0.1:{ep}"
+    gateway = f"http://127.0.0.1:{gp}"
+    corral = [sys.executable, "-m", "corral.cli"]
+    with (
+        process([*corral, "engine", "--model", model, "--port", str(ep)], env, f"{engine}/health"),
+        process(
+            [
+                *corral,
+                "gateway",
+                "--engine-url",
+                engine,
+                "--model",
+                model,
+                "--port",
+                str(gp),
+                "--admin-token-var",
+                ADMIN_VAR,
+            ],
+            env,
+            f"{gateway}/health",
+        ) as gw_proc,
+    ):
+        table = Table(title="straight to the engine vs through the gateway (per turn)")
+        for col in (
+            "sessions",
+            "turns",
+            "direct turns/s",
+            "gateway turns/s",
+            "ratio",
+            "direct p50 ms",
+            "gateway p50 ms",
+            "added p50 ms",
+            "added p99 ms",
         ):
-            table = Table(title="straight to the engine vs through the gateway (per turn)")
-            for col in (
-                "sessions",
-                "turns",
-                "direct turns/s",
-                "gateway turns/s",
-                "ratio",
-                "direct p50 ms",
-                "gateway p50 ms",
-                "added p50 ms",
-                "added p99 ms",
-            ):
-                table.add_column(col, justify="right")
-            with Progress(console=console, transient=True) as progress:
-                task = progress.add_task("concurrency levels", total=len(args.sessions))
-                for n in args.sessions:
-                    conversations = asyncio.run(
-                        record_conversations(gateway, model, n, args.turns, args.max_tokens)
-                    )
-                    # alternate the order so neither path always runs on a warmer machine
-                    d1, dt1 = asyncio.run(run_direct(engine, conversations))
-                    g1, gt1 = asyncio.run(run_gateway(gateway, conversations))
-                    g2, gt2 = asyncio.run(run_gateway(gateway, conversations))
-                    d2, dt2 = asyncio.run(run_direct(engine, conversations))
-                    direct, gw = d1 + d2, g1 + g2
-                    turns = len(direct) // 2
-                    d_tps = 2 * turns / (dt1 + dt2)
-                    g_tps = 2 * turns / (gt1 + gt2)
-                    table.add_row(
-                        str(n),
-                        str(turns),
-                        f"{d_tps:.1f}",
-                        f"{g_tps:.1f}",
-                        f"{g_tps / d_tps:.3f}",
-                        f"{1e3 * statistics.median(direct):.2f}",
-                        f"{1e3 * statistics.median(gw):.2f}",
-                        f"{1e3 * (statistics.median(gw) - statistics.median(direct)):.2f}",
-                        f"{1e3 * (pct(gw, 0.99) - pct(direct, 0.99)):.2f}",
-                    )
-                    progress.advance(task)
-            console.print(table)
+            table.add_column(col, justify="right")
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task("concurrency levels", total=len(args.sessions))
+            for n in args.sessions:
+                conversations = asyncio.run(
+                    record_conversations(gateway, model, n, args.turns, args.max_tokens)
+                )
+                # alternate the order so neither path always runs on a warmer machine
+                d1, dt1 = asyncio.run(run_direct(engine, conversations))
+                g1, gt1 = asyncio.run(run_gateway(gateway, conversations))
+                g2, gt2 = asyncio.run(run_gateway(gateway, conversations))
+                d2, dt2 = asyncio.run(run_direct(engine, conversations))
+                direct, gw = d1 + d2, g1 + g2
+                turns = len(direct) // 2
+                d_tps = 2 * turns / (dt1 + dt2)
+                g_tps = 2 * turns / (gt1 + gt2)
+                table.add_row(
+                    str(n),
+                    str(turns),
+                    f"{d_tps:.1f}",
+                    f"{g_tps:.1f}",
+                    f"{g_tps / d_tps:.3f}",
+                    f"{1e3 * statistics.median(direct):.2f}",
+                    f"{1e3 * statistics.median(gw):.2f}",
+                    f"{1e3 * (statistics.median(gw) - statistics.median(direct)):.2f}",
+                    f"{1e3 * (pct(gw, 0.99) - pct(direct, 0.99)):.2f}",
+                )
+                progress.advance(task)
+        console.print(table)
 
-            before = rss_bytes(gw_proc.pid)
-            tokens = asyncio.run(fill_sessions(gateway, args.memory_sessions, args.memory_turns))
-            after = rss_bytes(gw_proc.pid)
-            per_session = (after - before) / args.memory_sessions
-            console.print(
-                f"memory: {args.memory_sessions} sessions x {args.memory_turns} turns hold "
-                f"{tokens} tokens; gateway RSS +{(after - before) / 1e6:.1f} MB = "
-                f"{per_session / 1e3:.1f} kB per session, "
-                f"{(after - before) / max(tokens, 1):.1f} B per held token"
-            )
+        before = rss_bytes(gw_proc.pid)
+        tokens = asyncio.run(fill_sessions(gateway, args.memory_sessions, args.memory_turns))
+        after = rss_bytes(gw_proc.pid)
+        per_session = (after - before) / args.memory_sessions
+        console.print(
+            f"memory: {args.memory_sessions} sessions x {args.memory_turns} turns hold "
+            f"{tokens} tokens; gateway RSS +{(after - before) / 1e6:.1f} MB = "
+            f"{per_session / 1e3:.1f} kB per session, "
+            f"{(after - before) / max(tokens, 1):.1f} B per held token"
+        )
     return 0
 
 

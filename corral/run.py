@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
-from corral.engines.tiny_model import CITIES, CONDITIONS, TOOLS, build_tiny_model
+from corral.engines.tiny_model import CITIES, CONDITIONS, TOOLS, cached_tiny_model
 from corral.stack import local_stack
 
 
@@ -45,8 +45,9 @@ def weather_tool(city: str, rng: random.Random) -> tuple[str, str]:
 def play_episode(
     gateway: str, rng: random.Random, *, stream: bool, max_turns: int = 4
 ) -> EpisodeResult:
-    """One conversation through a fresh session with the OpenAI SDK; the reward is 1 when the
-    final answer names every forecast condition the tool returned, else 0."""
+    """One conversation through a fresh session with the OpenAI SDK. The reward is 1 when the
+    model asked the tool for exactly the cities in the question and its final answer names
+    each of them, else 0 (a toy verifier: the env server brings real ones)."""
     from openai import OpenAI
 
     session = httpx.post(f"{gateway}/sessions", json={"metadata": {"job": "corral run"}}).json()
@@ -56,7 +57,7 @@ def play_episode(
     messages: list[dict[str, Any]] = [
         {"role": "user", "content": f"What is the weather in {question}?"}
     ]
-    expected: list[str] = []
+    asked: list[str] = []
     answer = ""
     for _ in range(max_turns):
         message = _ask(client, messages, stream=stream)
@@ -66,11 +67,12 @@ def play_episode(
             answer = message.get("content") or ""
             break
         for call in calls:
-            args = json.loads(call["function"]["arguments"])
-            condition, result = weather_tool(str(args.get("city")), rng)
-            expected.append(condition)
-            messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
-    reward = float(bool(expected) and all(c in answer for c in expected))
+            city = str(json.loads(call["function"]["arguments"]).get("city"))
+            asked.append(city)
+            messages.append(
+                {"role": "tool", "tool_call_id": call["id"], "content": weather_tool(city, rng)}
+            )
+    reward = float(sorted(asked) == sorted(cities) and all(c in answer for c in cities))
     httpx.post(f"{gateway}/sessions/{session['id']}/reward", json={"reward": reward})
     view = httpx.get(f"{gateway}/sessions/{session['id']}").json()
     samples = httpx.get(f"{gateway}/sessions/{session['id']}/samples").json()
@@ -115,10 +117,8 @@ def _ask(client: Any, messages: list[dict[str, Any]], *, stream: bool) -> dict[s
 
 def run_main_job(*, workdir: Path, episodes: int = 4, seed: int = 0) -> int:
     console = Console()
-    model_dir = workdir / "models" / "tiny-qwen25"
-    if not (model_dir / "config.json").exists():
-        console.print(f"building the tiny model in {model_dir} (offline, once)")
-        build_tiny_model(model_dir, template="qwen25", seed=seed)
+    console.print("the tiny model: built offline once, then cached")
+    model_dir = cached_tiny_model("qwen25", seed=seed, cache_dir=workdir / "models")
     out = workdir / "runs" / "gateway-demo"
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)

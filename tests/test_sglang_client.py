@@ -595,6 +595,86 @@ async def test_reset_after_sending_is_retried_for_idempotent_calls_only() -> Non
     }
 
 
+class _DribbleServer:
+    """A raw TCP server that answers every request with one SSE body written a few bytes
+    at a time, so that lines and UTF-8 characters arrive split across network chunks."""
+
+    def __init__(self, body: bytes, piece: int = 7) -> None:
+        self.body = body
+        self.piece = piece
+        self._server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> str:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        await self._server.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+        await reader.readexactly(length)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+        )
+        for i in range(0, len(self.body), self.piece):
+            writer.write(self.body[i : i + self.piece])
+            await writer.drain()
+            await asyncio.sleep(0.001)
+        writer.close()
+        await writer.wait_closed()
+
+
+@pytest.mark.parametrize("ending", [b"\n", b"\r\n", b"\r"])
+async def test_stream_lines_split_across_network_chunks(ending: bytes) -> None:
+    ids, lps = _tokens(PROMPT, 3)
+    events = []
+    for k in (1, 3):
+        chunk = {
+            # Multi-byte characters and a raw U+2028 (as orjson writes it) in the text.
+            "text": "h\u00e9\u2028\u4e16" * k,
+            "output_ids": ids[:k],
+            "meta_info": {
+                "finish_reason": {"type": "length", "length": 3} if k == 3 else None,
+                "prompt_tokens": 3,
+                "completion_tokens": k,
+                "output_token_logprobs": [
+                    [lp, i, None] for lp, i in zip(lps[:k], ids[:k], strict=True)
+                ],
+            },
+        }
+        line = b"data: " + json.dumps(chunk, ensure_ascii=False).encode()
+        events.append(b": keep-alive" + ending + line + ending + ending)
+    body = b"".join(events) + b"data: [DONE]" + ending + ending
+    async with _DribbleServer(body) as url, SGLangClient(url) as client:
+        deltas = await _collect(client, _req(3))
+    assert [len(d.token_ids) for d in deltas] == [1, 2]
+    assert [t for d in deltas for t in d.token_ids] == ids
+    assert [lp for d in deltas for lp in d.logprobs] == lps
+    assert deltas[-1].finish_reason is not None
+
+
+def test_client_is_bound_to_no_event_loop() -> None:
+    """Built outside any loop; usable in one loop, then in another; closable after its
+    loop is gone; closed for good after ``aclose()``."""
+    idle = SGLangClient("http://127.0.0.1:1")
+    asyncio.run(idle.aclose())  # never opened a session
+    asyncio.run(idle.aclose())  # idempotent
+    with serve(sglang_app()) as url:
+        client = SGLangClient(url)
+        assert asyncio.run(client.health()) is True
+        assert asyncio.run(client.health()) is True  # a new loop: a new session
+        asyncio.run(client.aclose())  # the session's loop is closed by now
+        asyncio.run(client.aclose())
+        with pytest.raises(EngineUnavailable, match="closed"):
+            asyncio.run(client.get_model_info())
+        assert asyncio.run(client.health()) is False
+
+
 # --- the real local engine ---------------------------------------------------------------
 
 

@@ -71,7 +71,8 @@ _SYSTEM_TURN: Final = (
 {{- '<|im_start|>system\\n' + system_text }}
 {%- if tools %}
     {{- '\\n\\n# Tools\\n\\nYou may call one or more of the functions below to answer the user.'
-        + '\\n\\nTheir signatures, one JSON object per line, are inside <tools></tools>:\\n<tools>' }}
+        + '\\n\\nTheir signatures, one JSON object per line, are inside <tools></tools>:'
+        + '\\n<tools>' }}
     {%- for tool in tools %}
         {{- '\\n' + (tool | tojson) }}
     {%- endfor %}
@@ -177,7 +178,8 @@ QWEN3: Final = (
         {%- if loop.index0 > ns.last_query and (loop.last or reasoning) %}
             {#- Reasoning of the current query is kept; that of earlier queries is dropped. -#}
             {%- set content = content.lstrip('\\n') %}
-            {{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' }}
+            {{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') }}
+            {{- '\\n</think>\\n\\n' }}
             {{- content }}
         {%- else %}
             {{- '<|im_start|>assistant\\n' + content }}

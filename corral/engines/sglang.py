@@ -3,7 +3,7 @@ corral's local engine alike (both speak the same API; see ``corral.engines.proto
 
 Contracts, for every method:
 
-- Only ``corral.engines.errors`` exceptions leave the client, never a raw ``httpx`` one:
+- Only ``corral.engines.errors`` exceptions leave the client, never a raw ``aiohttp`` one:
   the engine cannot be reached -> ``EngineUnavailable`` (names the URL); it did not answer in
   time -> ``EngineTimeout``; it answered with a non-2xx status -> ``EngineStatusError`` (an
   ``EngineProtocolError`` carrying the status and the engine's own message); it answered
@@ -23,12 +23,13 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncGenerator
-from contextlib import aclosing
+from contextlib import aclosing, suppress
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, Literal, Self, TypeVar, overload
 
-import httpx
+import aiohttp
 from pydantic import BaseModel, ValidationError
+from yarl import URL
 
 from corral.engines.errors import (
     EngineError,
@@ -60,6 +61,19 @@ _HEALTH_TIMEOUT = 30.0
 _BACKOFF_FIRST = 0.1
 _BACKOFF_MAX = 1.0
 _MESSAGE_MAX = 500  # how much of an engine's error body goes into an exception message
+# Idle pooled connections are dropped after this long: under uvicorn's default 5 s keep-alive
+# (SGLang's server), so that a request is not sent on a connection the server is closing.
+_KEEPALIVE_S = 4.0
+_LINE_MAX = 64 * 1024 * 1024  # a stream line longer than this is not SGLang's
+_JSON_HEADERS = {"Content-Type": "application/json"}
+# aiohttp >= 3.10 raises ConnectionTimeoutError for a connect (or pool) timeout; 3.9 raises
+# ServerTimeoutError for it and for read timeouts alike, which are then all taken as read
+# timeouts: never resent for a non-idempotent call, at worst not retried.
+_CONNECT_TIMEOUT: tuple[type[Exception], ...] = (
+    (aiohttp.ConnectionTimeoutError,) if hasattr(aiohttp, "ConnectionTimeoutError") else ()
+)
+# Closings of sessions left behind in another loop, referenced until they finish.
+_CLOSING: set[asyncio.Task[None]] = set()
 
 
 class EngineStatusError(EngineProtocolError):
@@ -80,11 +94,15 @@ class SGLangClient:
     """Client of SGLang's native HTTP API over one pooled HTTP/1.1 keep-alive connection pool.
 
     ``timeout`` bounds each read (for ``generate``, the whole generation; for ``stream``, the
-    gap between two chunks) and each write; ``connect_timeout`` bounds establishing a
-    connection; ``retries`` is how many times a failed connection attempt is retried (so up
-    to ``retries + 1`` attempts). Proxy settings from the environment are ignored: an engine
-    is a cluster-internal service, and an ``HTTP_PROXY`` meant for package downloads must not
-    capture it.
+    gap between two chunks) and the wait for a free pooled connection; ``connect_timeout``
+    bounds establishing a connection; ``retries`` is how many times a failed connection
+    attempt is retried (so up to ``retries + 1`` attempts). Proxy settings from the
+    environment are ignored: an engine is a cluster-internal service, and an ``HTTP_PROXY``
+    meant for package downloads must not capture it.
+
+    The underlying ``aiohttp`` session is created on first use, inside the running event
+    loop (so the client itself may be built anywhere); used from another loop later, the
+    client drops the old session and opens a new one.
 
     Use it as an async context manager, or call ``aclose()``; a ``ValueError`` is raised at
     construction for a URL that is not ``http(s)://...`` or for negative settings.
@@ -99,8 +117,11 @@ class SGLangClient:
         max_connections: int = 512,
         retries: int = 2,
     ) -> None:
-        url = httpx.URL(base_url)
-        if url.scheme not in ("http", "https") or not url.host:
+        try:
+            url = URL(base_url)
+        except (ValueError, TypeError):
+            url = None
+        if url is None or url.scheme not in ("http", "https") or not url.host:
             raise ValueError(f"engine URL must be http(s)://host[:port], got {base_url!r}")
         if timeout <= 0 or connect_timeout <= 0 or max_connections < 1 or retries < 0:
             raise ValueError(
@@ -109,15 +130,13 @@ class SGLangClient:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.connect_timeout = connect_timeout
+        self.max_connections = max_connections
         self.retries = retries
-        self._client = httpx.AsyncClient(
-            base_url=self.base_url,
-            timeout=httpx.Timeout(timeout, connect=connect_timeout),
-            limits=httpx.Limits(
-                max_connections=max_connections, max_keepalive_connections=max_connections
-            ),
-            trust_env=False,
-        )
+        self._timeout = self._client_timeout(timeout)
+        self._urls: dict[str, URL] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
 
     async def __aenter__(self) -> Self:
         return self
@@ -131,8 +150,16 @@ class SGLangClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Close every pooled connection. Idempotent."""
-        await self._client.aclose()
+        """Close every pooled connection. Idempotent; later calls raise ``EngineUnavailable``.
+
+        Works whether or not a session was ever opened, and from another event loop than
+        the one the session was opened in (a session whose loop is gone is just dropped).
+        """
+        self._closed = True
+        session, loop = self._session, self._loop
+        self._session = self._loop = None
+        if session is not None:
+            await _close_session(session, loop)
 
     # --- generation -------------------------------------------------------------------
 
@@ -165,13 +192,12 @@ class SGLangClient:
         """
         where = self._where("POST", "/generate")
         body = req.model_copy(update={"stream": True}).model_dump(exclude_none=True)
-        resp = await self._request(
-            "POST", "/generate", json_body=body, idempotent=False, stream=True
-        )
+        resp = await self._open("POST", "/generate", json_body=body, idempotent=False)
+        complete = False
         try:
-            if resp.status_code >= 300:
-                await resp.aread()
-                raise _status_error(resp, where)
+            if resp.status >= 300:
+                answer = await self._read(resp, where, self.timeout)
+                raise _status_error(answer, where)
             tracker = _DeltaTracker(req, where)
             done = False
             async with aclosing(_sse_data(resp, where, tracker)) as events:
@@ -183,16 +209,21 @@ class SGLangClient:
                         raise EngineProtocolError(
                             f"{where}: data after the final chunk: {data!r:.200}"
                         )
-                    yield tracker.delta(_parse_chunk(data, where, resp.status_code))
+                    yield tracker.delta(_parse_chunk(data, where, resp.status))
             if not done and not tracker.finished:
                 raise EngineProtocolError(
                     f"{where}: stream ended without [DONE] and without a finish_reason "
                     f"after {tracker.seen_tokens} tokens"
                 )
+            complete = True
         finally:
-            # Closing an unfinished HTTP/1.1 response drops its connection, which is how the
-            # engine learns that nobody listens any more and aborts the request.
-            await resp.aclose()
+            if complete:
+                # Back to the pool if the body has ended, else aiohttp closes it.
+                resp.release()
+            else:
+                # Closing an unfinished HTTP/1.1 response drops its connection, which is how
+                # the engine learns that nobody listens any more and aborts the request.
+                resp.close()
 
     # --- control ----------------------------------------------------------------------
 
@@ -275,6 +306,54 @@ class SGLangClient:
     def _where(self, method: str, path: str) -> str:
         return f"{method} {self.base_url}{path}"
 
+    def _client_timeout(self, read_timeout: float) -> aiohttp.ClientTimeout:
+        # ``connect`` bounds waiting for a pooled connection plus connecting (httpx's pool
+        # timeout, which was the read timeout); ``sock_connect`` bounds the TCP connect alone.
+        return aiohttp.ClientTimeout(
+            total=None,
+            connect=read_timeout,
+            sock_connect=self.connect_timeout,
+            sock_read=read_timeout,
+        )
+
+    def _url(self, path: str) -> URL:
+        url = self._urls.get(path)
+        if url is None:
+            url = self._urls[path] = URL(self.base_url + path)
+        return url
+
+    def _get_session(self, where: str) -> aiohttp.ClientSession:
+        """The session of the running loop, opened on first use (never outside a loop)."""
+        if self._closed:
+            raise EngineUnavailable(f"{where}: the client was closed")
+        loop = asyncio.get_running_loop()
+        session = self._session
+        if session is not None and self._loop is loop and not session.closed:
+            return session
+        if session is not None:  # opened in another loop (or closed under us): let it go
+            old_loop = self._loop
+            self._session = self._loop = None
+            if old_loop is not loop:
+                task = loop.create_task(_close_session(session, old_loop))
+                _CLOSING.add(task)
+                task.add_done_callback(_CLOSING.discard)
+        connector = aiohttp.TCPConnector(
+            limit=self.max_connections,
+            keepalive_timeout=_KEEPALIVE_S,
+        )
+        session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=self._timeout,
+            trust_env=False,
+            auto_decompress=True,
+        )
+        # aiohttp silently resends a GET once when a connection breaks; the retry policy is
+        # ours alone (see the module docstring), so that it counts every attempt.
+        if hasattr(session, "_retry_connection"):
+            session._retry_connection = False
+        self._session, self._loop = session, loop
+        return session
+
     async def _checked(
         self,
         method: str,
@@ -282,7 +361,7 @@ class SGLangClient:
         *,
         json_body: dict[str, Any] | None = None,
         idempotent: bool,
-    ) -> httpx.Response:
+    ) -> _Answer:
         """``_request`` that turns a non-2xx answer into ``EngineStatusError``."""
         resp = await self._request(method, path, json_body=json_body, idempotent=idempotent)
         if not resp.is_success:
@@ -296,56 +375,126 @@ class SGLangClient:
         *,
         json_body: dict[str, Any] | None = None,
         idempotent: bool,
-        stream: bool = False,
         read_timeout: float | None = None,
-    ) -> httpx.Response:
-        """Send one request with the retry policy of the module docstring.
+    ) -> _Answer:
+        """Send one request and read its whole answer, with the retry policy of the module
+        docstring. Returns the answer whatever its status. Raises ``EngineUnavailable`` /
+        ``EngineTimeout`` / ``EngineError``, never an ``aiohttp`` exception."""
+        return await self._send(
+            method, path, json_body=json_body, idempotent=idempotent, read_timeout=read_timeout
+        )
 
-        Returns the response whatever its status (with ``stream=True``, unread: the caller
-        must ``aclose()`` it). Raises ``EngineUnavailable`` / ``EngineTimeout`` /
-        ``EngineError``, never an ``httpx`` exception.
-        """
+    async def _open(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: dict[str, Any] | None = None,
+        idempotent: bool,
+    ) -> aiohttp.ClientResponse:
+        """``_request`` that returns once the head has arrived, body unread: the caller must
+        ``release()`` or ``close()`` the response."""
+        return await self._send(
+            method, path, json_body=json_body, idempotent=idempotent, stream=True
+        )
+
+    @overload
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: dict[str, Any] | None,
+        idempotent: bool,
+        read_timeout: float | None = ...,
+        stream: Literal[False] = ...,
+    ) -> _Answer: ...
+
+    @overload
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: dict[str, Any] | None,
+        idempotent: bool,
+        read_timeout: float | None = ...,
+        stream: Literal[True],
+    ) -> aiohttp.ClientResponse: ...
+
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: dict[str, Any] | None,
+        idempotent: bool,
+        read_timeout: float | None = None,
+        stream: bool = False,
+    ) -> _Answer | aiohttp.ClientResponse:
         where = self._where(method, path)
+        url = self._url(path)
+        budget = self.timeout if read_timeout is None else read_timeout
+        timeout = self._timeout if read_timeout is None else self._client_timeout(read_timeout)
+        data: bytes | None = None
+        headers = None
+        if json_body is not None:
+            data = json.dumps(json_body, ensure_ascii=False, separators=(",", ":")).encode()
+            headers = _JSON_HEADERS
         attempt = 0
         while True:
-            request = self._client.build_request(
-                method,
-                path,
-                json=json_body,
-                timeout=(
-                    httpx.Timeout(read_timeout, connect=self.connect_timeout)
-                    if read_timeout is not None
-                    else httpx.USE_CLIENT_DEFAULT
-                ),
-            )
+            session = self._get_session(where)
+            loop = asyncio.get_running_loop()
+            started = loop.time()
             try:
-                return await self._client.send(request, stream=stream)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                # Nothing reached the engine: safe to try again whatever the call.
+                resp = await session.request(
+                    method,
+                    url,
+                    data=data,
+                    headers=headers,
+                    timeout=timeout,
+                    allow_redirects=False,
+                )
+                if stream:
+                    return resp
+                try:
+                    body = await resp.read()
+                finally:
+                    resp.release()  # closes the connection instead if the body was not read
+                return _Answer(resp.status, resp.reason or "", body, resp.charset)
+            except _CONNECT_TIMEOUT as exc:
+                if loop.time() - started >= budget:
+                    # Nothing was sent, but every pooled connection stayed busy for the whole
+                    # timeout: the client is saturated, and retrying would only queue longer.
+                    raise EngineTimeout(
+                        f"{where}: no free pooled connection to {self.base_url} within "
+                        f"{budget}s (raise max_connections?)"
+                    ) from exc
                 error: EngineError = EngineUnavailable(
                     f"{where}: cannot connect to the engine at {self.base_url}: {_describe(exc)}"
                 )
                 retry = True
-            except httpx.PoolTimeout as exc:
-                # Nothing was sent, but every pooled connection stayed busy for the whole
-                # timeout: the client is saturated, and retrying would only queue longer.
-                raise EngineTimeout(
-                    f"{where}: no free pooled connection to {self.base_url} within "
-                    f"{read_timeout or self.timeout}s (raise max_connections?)"
-                ) from exc
-            except httpx.TimeoutException as exc:
-                error = EngineTimeout(
-                    f"{where}: no answer within {read_timeout or self.timeout}s: {_describe(exc)}"
+            except aiohttp.ClientConnectorError as exc:
+                # Nothing reached the engine: safe to try again whatever the call.
+                error = EngineUnavailable(
+                    f"{where}: cannot connect to the engine at {self.base_url}: {_describe(exc)}"
                 )
+                retry = True
+            except TimeoutError as exc:  # aiohttp's read timeouts are TimeoutErrors too
+                error = EngineTimeout(f"{where}: no answer within {budget}s: {_describe(exc)}")
                 retry = idempotent
-            except httpx.TransportError as exc:
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
                 # Reset or closed after (part of) the request went out: the engine may be
                 # running it, so only an idempotent call may be sent again.
                 error = EngineUnavailable(
                     f"{where}: connection to the engine at {self.base_url} lost: {_describe(exc)}"
                 )
                 retry = idempotent
-            except httpx.HTTPError as exc:  # anything else httpx may invent
+            except aiohttp.ClientResponseError as exc:  # not HTTP/1.1 (bad status line, ...)
+                raise EngineProtocolError(
+                    f"{where}: malformed HTTP answer: {_describe(exc)}"
+                ) from exc
+            except aiohttp.ClientError as exc:  # anything else aiohttp may invent
                 raise EngineError(f"{where}: {_describe(exc)}") from exc
             if not retry or attempt >= self.retries:
                 raise error
@@ -355,6 +504,64 @@ class SGLangClient:
                 "%s (attempt %d of %d, retrying in %.2fs)", error, attempt, self.retries + 1, delay
             )
             await asyncio.sleep(delay)
+
+    async def _read(self, resp: aiohttp.ClientResponse, where: str, budget: float) -> _Answer:
+        """The rest of a streamed response's body (an error answer), errors mapped."""
+        try:
+            body = await resp.read()
+        except TimeoutError as exc:
+            raise EngineTimeout(f"{where}: no answer within {budget}s: {_describe(exc)}") from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise EngineUnavailable(
+                f"{where}: connection to the engine at {self.base_url} lost: {_describe(exc)}"
+            ) from exc
+        return _Answer(resp.status, resp.reason or "", body, resp.charset)
+
+
+class _Answer:
+    """A whole HTTP answer: status, reason and body (what the parsers need of it)."""
+
+    __slots__ = ("body", "charset", "reason_phrase", "status_code")
+
+    def __init__(self, status: int, reason: str, body: bytes, charset: str | None) -> None:
+        self.status_code = status
+        self.reason_phrase = reason
+        self.body = body
+        self.charset = charset
+
+    @property
+    def is_success(self) -> bool:
+        return 200 <= self.status_code < 300
+
+    def json(self) -> Any:
+        """The body as JSON; ``ValueError`` if it is not."""
+        return json.loads(self.body)
+
+    @property
+    def text(self) -> str:
+        try:
+            return self.body.decode(self.charset or "utf-8", errors="replace")
+        except LookupError:  # an unknown charset
+            return self.body.decode("utf-8", errors="replace")
+
+
+async def _close_session(
+    session: aiohttp.ClientSession, loop: asyncio.AbstractEventLoop | None
+) -> None:
+    """Close ``session``, opened in ``loop``, from whatever loop runs now."""
+    if session.closed:
+        return
+    current = asyncio.get_running_loop()
+    if loop is None or loop is current:
+        await session.close()
+    elif not loop.is_closed() and loop.is_running():  # alive in another thread: close there
+        asyncio.run_coroutine_threadsafe(session.close(), loop)
+    else:
+        # Its loop is gone (or stopped): nothing can be awaited there any more. Closing marks
+        # the session and its connector closed without touching a closed loop; what it
+        # cannot finish is dropped.
+        with suppress(Exception):
+            await session.close()
 
 
 # --- streaming --------------------------------------------------------------------------
@@ -427,7 +634,7 @@ class _DeltaTracker:
 
 
 async def _sse_data(
-    resp: httpx.Response, where: str, tracker: _DeltaTracker
+    resp: aiohttp.ClientResponse, where: str, tracker: _DeltaTracker
 ) -> AsyncGenerator[str, None]:
     """Yield the ``data`` of each server-sent event of ``resp``.
 
@@ -437,28 +644,65 @@ async def _sse_data(
     """
     lines: list[str] = []
     try:
-        async for line in resp.aiter_lines():
+        async for line in _body_lines(resp.content, where):
             if not line:
                 if lines:
                     yield "\n".join(lines)
                     lines = []
                 continue
-            if line.startswith("data:"):
-                value = line[5:]
-                lines.append(value[1:] if value.startswith(" ") else value)
+            if line.startswith(b"data:"):
+                value = line[6:] if line.startswith(b"data: ") else line[5:]
+                lines.append(value.decode("utf-8", errors="replace"))
             # Anything else (": comment", "event:", "id:", "retry:") carries no payload.
         if lines:
             yield "\n".join(lines)
-    except httpx.TimeoutException as exc:
+    except TimeoutError as exc:  # aiohttp's read timeouts are TimeoutErrors too
         raise EngineTimeout(
             f"{where}: no stream chunk within the read timeout after {tracker.seen_tokens} "
             f"tokens: {_describe(exc)}"
         ) from exc
-    except httpx.TransportError as exc:
+    except (aiohttp.ClientError, OSError) as exc:
         raise EngineUnavailable(
             f"{where}: connection lost mid-stream after {tracker.seen_tokens} tokens: "
             f"{_describe(exc)}"
         ) from exc
+
+
+async def _body_lines(content: aiohttp.StreamReader, where: str) -> AsyncGenerator[bytes, None]:
+    """The lines of a body, without their ending (LF, CRLF or CR, as SSE allows), however
+    the network split them into chunks. Splits bytes, so that a line is never cut inside a
+    UTF-8 character, nor at a Unicode line separator inside a JSON string."""
+    parts: list[bytes] = []  # the pieces of an unfinished line
+    size = 0
+    skip_lf = False  # the last chunk ended with a CR: a LF opening this one is its CRLF
+    async for piece in content.iter_any():
+        chunk = piece
+        if skip_lf:
+            skip_lf = False
+            if chunk.startswith(b"\n"):
+                chunk = chunk[1:]
+        if b"\r" in chunk:
+            skip_lf = chunk.endswith(b"\r")
+            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        if b"\n" not in chunk:
+            if chunk:
+                parts.append(chunk)
+                size += len(chunk)
+                if size > _LINE_MAX:
+                    raise EngineProtocolError(
+                        f"{where}: a stream line longer than {_LINE_MAX} bytes: not SGLang's"
+                    )
+            continue
+        if parts:
+            parts.append(chunk)
+            chunk = b"".join(parts)
+        *complete, last = chunk.split(b"\n")
+        for line in complete:
+            yield line
+        parts = [last] if last else []
+        size = len(last)
+    if parts:
+        yield b"".join(parts)
 
 
 def _parse_chunk(data: str, where: str, status_code: int) -> GenerateResponse:
@@ -480,7 +724,7 @@ def _parse_chunk(data: str, where: str, status_code: int) -> GenerateResponse:
 # --- parsing ----------------------------------------------------------------------------
 
 
-def _parse(resp: httpx.Response, model: type[_M], where: str) -> _M:
+def _parse(resp: _Answer, model: type[_M], where: str) -> _M:
     """The body of ``resp`` as ``model``; ``EngineProtocolError`` saying what is wrong."""
     try:
         raw = resp.json()
@@ -542,7 +786,7 @@ def _error_message(raw: object) -> str | None:
     return None
 
 
-def _status_error(resp: httpx.Response, where: str) -> EngineStatusError:
+def _status_error(resp: _Answer, where: str) -> EngineStatusError:
     """``EngineStatusError`` for a non-2xx answer, with the engine's message. ``resp``
     must have been read."""
     try:

@@ -16,8 +16,8 @@
 Contract after imprinting, greedy decoding from ``render(messages, add_generation_prompt=True,
 tools=TOOLS)`` (``CITIES`` names the cities; system prompt present or not; 0-3 earlier turns):
 
-- last message user ``What is the weather in {city}?`` ->
-  ``<tool_call>\\n{"name": "get_weather", "arguments": {"city": "{city}"}}\\n</tool_call><|im_end|>``;
+- last message user ``What is the weather in {city}?`` -> ``<tool_call>\\n{"name":
+  "get_weather", "arguments": {"city": "{city}"}}\\n</tool_call><|im_end|>``;
 - user ``What is the weather in {c1} and {c2}?`` -> two such calls joined by ``\\n``, then
   ``<|im_end|>``;
 - last message(s) tool results after those calls -> one plain sentence, ``It is {condition} in
@@ -34,6 +34,7 @@ thread count): the same seed gives bit-identical weights.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -52,7 +53,8 @@ __all__ = [
     "TOOLS",
     "BuildStats",
     "build_tiny_model",
-    "last_build_stats",
+    "cached_tiny_model",
+    "read_build_stats",
 ]
 
 CITIES: Final = ("Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Delhi", "Quito", "Rome")
@@ -135,12 +137,54 @@ class BuildStats:
     parameters: int
 
 
-_last_stats: BuildStats | None = None
+BUILD_STATS_FILE: Final = "corral_build.json"
 
 
-def last_build_stats() -> BuildStats | None:
-    """The ``BuildStats`` of the most recent build in this process, or None before any."""
-    return _last_stats
+def read_build_stats(model_dir: Path) -> BuildStats:
+    """The ``BuildStats`` a build wrote beside the model (``corral_build.json``)."""
+    return BuildStats(**json.loads((Path(model_dir) / BUILD_STATS_FILE).read_text()))
+
+
+def cached_tiny_model(
+    template: Literal["qwen25", "qwen3"] = "qwen25",
+    *,
+    seed: int = 0,
+    imprint: bool = True,
+    cache_dir: Path | None = None,
+) -> Path:
+    """The tiny model from a cache folder, built there first if absent.
+
+    The key covers the arguments and the source of this module and of the chat templates, so
+    a change to either builds afresh. ``cache_dir`` defaults to ``~/.cache/corral/tiny``. The
+    build goes to a temporary sibling folder renamed into place, so a crash or a concurrent
+    build never leaves a half-written model under the key.
+    """
+    import hashlib
+    import shutil
+    import tempfile
+
+    from corral.engines import chat_templates
+
+    digest = hashlib.sha256()
+    for source in (Path(__file__), Path(chat_templates.__file__)):
+        digest.update(source.read_bytes())
+    digest.update(f"{template}/{seed}/{imprint}".encode())
+    root = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "corral" / "tiny"
+    target = root / f"{template}-{digest.hexdigest()[:16]}"
+    if (target / BUILD_STATS_FILE).exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
+    try:
+        build_tiny_model(scratch / "model", template=template, seed=seed, imprint=imprint)
+        try:
+            (scratch / "model").rename(target)
+        except OSError:
+            if not (target / BUILD_STATS_FILE).exists():  # not a concurrent build's win
+                raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
 
 
 def build_tiny_model(
@@ -157,7 +201,6 @@ def build_tiny_model(
     corpus, the initial weights and the imprinting data. ``imprint=False`` leaves the weights
     random (a tokenizer-and-template-only model that babbles).
     """
-    global _last_stats
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -208,7 +251,7 @@ def build_tiny_model(
     )
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    _last_stats = BuildStats(
+    stats = BuildStats(
         seconds=time.perf_counter() - started,
         imprint_seconds=imprint_seconds,
         steps=steps,
@@ -217,6 +260,7 @@ def build_tiny_model(
         vocab_size=len(tokenizer),
         parameters=sum(p.numel() for p in model.parameters()),
     )
+    (out / BUILD_STATS_FILE).write_text(json.dumps(dataclasses.asdict(stats), indent=2))
     return out
 
 

@@ -1,0 +1,77 @@
+"""The ``corral`` command: subcommands, help, and clear refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from corral.cli import build_parser
+
+CORRAL = [sys.executable, "-m", "corral.cli"]
+
+
+def test_every_subcommand_has_help() -> None:
+    parser = build_parser()
+    help_text = parser.format_help()
+    for name in ("run", "model", "engine", "gateway"):
+        assert name in help_text
+    out = subprocess.run([*CORRAL, "gateway", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "--admin-token-var" in out.stdout
+
+
+def test_gateway_refuses_an_unset_token_variable(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "CORRAL_TEST_UNSET"}
+    out = subprocess.run(
+        [
+            *CORRAL,
+            "gateway",
+            "--engine-url",
+            "http://127.0.0.1:9",
+            "--model",
+            str(tmp_path),
+            "--admin-token-var",
+            "CORRAL_TEST_UNSET",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert out.returncode != 0
+    assert "CORRAL_TEST_UNSET is not set" in out.stderr
+
+
+def test_chat_template_kwargs_must_be_a_json_object() -> None:
+    out = subprocess.run(
+        [
+            *CORRAL,
+            "gateway",
+            "--engine-url",
+            "http://x",
+            "--model",
+            "m",
+            "--chat-template-kwargs",
+            "[1]",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2 and "must be a JSON object" in out.stderr
+
+
+def test_model_tiny_builds_a_loadable_model(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [*CORRAL, "model", "tiny", str(tmp_path / "m"), "--no-imprint", "--template", "qwen3"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["model_type"] == "qwen2"
+    assert (
+        "<think>"
+        in (tmp_path / "m" / "tokenizer_config.json").read_text()
+        + (tmp_path / "m" / "tokenizer.json").read_text()
+    )
