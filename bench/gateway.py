@@ -23,6 +23,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -57,33 +58,45 @@ class Turn:
 def process(
     args: list[str], env: dict[str, str], health_url: str
 ) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        asyncio.run(_wait_healthy(health_url, proc))
-        yield proc
-    finally:
-        proc.terminate()
+    # stderr to a file: an unread pipe fills up and blocks the server mid-benchmark.
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=log)
         try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            if not asyncio.run(_wait_healthy(health_url, proc)):
+                log.seek(0)
+                raise RuntimeError(f"{args} did not start: {log.read().decode()[-2000:]}")
+            yield proc
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
-async def _wait_healthy(url: str, proc: subprocess.Popen[bytes]) -> None:
+async def _wait_healthy(url: str, proc: subprocess.Popen[bytes]) -> bool:
     deadline = time.monotonic() + 120
     async with aiohttp.ClientSession() as http:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                err = proc.stderr.read().decode() if proc.stderr else ""
-                raise RuntimeError(f"{proc.args} exited: {err[-2000:]}")
+        while time.monotonic() < deadline and proc.poll() is None:
             try:
                 async with http.get(url) as r:
                     if r.status == 200:
-                        return
+                        return True
             except aiohttp.ClientError:
                 pass
             await asyncio.sleep(0.2)  # polling a process we started, not test synchronisation
-    raise RuntimeError(f"{url} did not become healthy")
+    return False
+
+
+async def _get_text(url: str) -> str:
+    async with aiohttp.ClientSession() as http, http.get(url) as r:
+        return await r.text()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_bytes(pid: int) -> int:
@@ -188,11 +201,18 @@ async def run_gateway(gateway: str, conversations: list[list[Turn]]) -> tuple[li
         sessions = [await new_session(http, gateway) for _ in conversations]
 
         async def one(session: dict[str, Any], turns: list[Turn]) -> list[float]:
+            # Played live, as an agent would: each turn's history holds the replies this
+            # session got (batch composition can change a greedy reply; replaying the warm-up's
+            # replies would make every such turn a fork).
             out = []
+            history: list[dict[str, Any]] = []
             for turn in turns:
+                history.append(turn.body["messages"][-1])
                 t0 = time.perf_counter()
-                await chat(http, session, turn.body)
+                reply = await chat(http, session, {**turn.body, "messages": list(history)})
                 out.append(time.perf_counter() - t0)
+                content = reply["choices"][0]["message"].get("content") or ""
+                history.append({"role": "assistant", "content": content})
             return out
 
         t0 = time.perf_counter()
@@ -252,6 +272,9 @@ def main() -> int:
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument(
+        "--min-turns", type=int, default=400, help="turns per path and level, at least"
+    )
     parser.add_argument("--model", help="model folder (default: build the tiny model)")
     parser.add_argument("--memory-sessions", type=int, default=32)
     parser.add_argument("--memory-turns", type=int, default=30)
@@ -301,6 +324,7 @@ def main() -> int:
             "gateway p50 ms",
             "added p50 ms",
             "added p99 ms",
+            "gateway CPU ms/turn",
         ):
             table.add_column(col, justify="right")
         with Progress(console=console, transient=True) as progress:
@@ -309,18 +333,26 @@ def main() -> int:
                 conversations = asyncio.run(
                     record_conversations(gateway, model, n, args.turns, args.max_tokens)
                 )
-                # alternate the order so neither path always runs on a warmer machine
-                d1, dt1 = asyncio.run(run_direct(engine, conversations))
-                g1, gt1 = asyncio.run(run_gateway(gateway, conversations))
-                g2, gt2 = asyncio.run(run_gateway(gateway, conversations))
-                d2, dt2 = asyncio.run(run_direct(engine, conversations))
-                direct, gw = d1 + d2, g1 + g2
-                turns = len(direct) // 2
-                d_tps = 2 * turns / (dt1 + dt2)
-                g_tps = 2 * turns / (gt1 + gt2)
+                # Enough rounds for stable percentiles; alternate the paths round by round so
+                # neither always runs on a warmer (or busier) machine.
+                rounds = max(2, -(-args.min_turns // (n * args.turns)))
+                direct: list[float] = []
+                gw: list[float] = []
+                d_time = g_time = g_cpu = 0.0
+                for _ in range(rounds):
+                    lat, took = asyncio.run(run_direct(engine, conversations))
+                    direct += lat
+                    d_time += took
+                    cpu0 = cpu_seconds(gw_proc.pid)
+                    lat, took = asyncio.run(run_gateway(gateway, conversations))
+                    g_cpu += cpu_seconds(gw_proc.pid) - cpu0
+                    gw += lat
+                    g_time += took
+                d_tps = len(direct) / d_time
+                g_tps = len(gw) / g_time
                 table.add_row(
                     str(n),
-                    str(turns),
+                    str(len(gw)),
                     f"{d_tps:.1f}",
                     f"{g_tps:.1f}",
                     f"{g_tps / d_tps:.3f}",
@@ -328,9 +360,16 @@ def main() -> int:
                     f"{1e3 * statistics.median(gw):.2f}",
                     f"{1e3 * (statistics.median(gw) - statistics.median(direct)):.2f}",
                     f"{1e3 * (pct(gw, 0.99) - pct(direct, 0.99)):.2f}",
+                    f"{1e3 * g_cpu / len(gw):.2f}",
                 )
                 progress.advance(task)
         console.print(table)
+
+        metrics = asyncio.run(_get_text(f"{gateway}/metrics"))
+        decisions = [
+            line for line in metrics.splitlines() if line.startswith("corral_gateway_merge_")
+        ]
+        console.print("merge decisions during the benchmark: " + "; ".join(decisions))
 
         before = rss_bytes(gw_proc.pid)
         tokens = asyncio.run(fill_sessions(gateway, args.memory_sessions, args.memory_turns))

@@ -76,7 +76,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         session_ttl_s=args.session_ttl,
         **({"model_name": args.served_model_name} if args.served_model_name else {}),
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    # No per-request access log by default: on the hot path it costs more than the gateway.
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=args.access_log)
     return 0
 
 
@@ -168,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--max-sessions", type=int, default=10_000)
     gateway.add_argument("--max-held-tokens", type=int, default=200_000_000)
     gateway.add_argument("--session-ttl", type=float, default=3600.0, help="seconds idle")
+    gateway.add_argument("--access-log", action="store_true", help="log every request")
     gateway.set_defaults(func=cmd_gateway)
     return parser
 

@@ -62,7 +62,7 @@ def test_template_messages_turn_arguments_into_objects_and_keep_bad_ones() -> No
     assert out[1] == {"role": "system", "content": "ab"}
 
 
-def test_message_starts_point_at_each_message(tokenizer: object) -> None:
+def test_message_at_finds_the_message_holding_a_token(tokenizer: object) -> None:
     renderer = ChatRenderer(tokenizer)  # type: ignore[arg-type]
     messages = [
         {"role": "system", "content": "Be brief."},
@@ -70,12 +70,14 @@ def test_message_starts_point_at_each_message(tokenizer: object) -> None:
         {"role": "assistant", "content": "Hello!"},
         {"role": "user", "content": "Again."},
     ]
-    starts = renderer.message_starts(messages, None)
     ids = renderer.render(messages, None).token_ids
-    assert starts[0] == 0 and starts == sorted(starts) and len(set(starts)) == 4
-    decoded = [tokenizer.decode(ids[s : s + 4]) for s in starts]  # type: ignore[attr-defined]
-    assert [d.startswith("<|im_start|>") for d in decoded] == [True] * 4
-    assert "user" in decoded[1] and "assistant" in decoded[2]
+    starts = [
+        len(renderer.encode(renderer.render_text(messages[:k], None, add_generation_prompt=False)))
+        for k in range(1, len(messages))
+    ]
+    expected = [sum(p >= s for s in starts) for p in range(len(ids))]
+    assert [renderer.message_at(messages, None, None, p) for p in range(len(ids))] == expected
+    assert expected[0] == 0 and expected[-1] == 3 and sorted(expected) == expected
 
 
 def test_renderer_reports_template_failures(tokenizer: object) -> None:

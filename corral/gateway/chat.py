@@ -472,8 +472,8 @@ class ChatService:
                     finish_reason=o.finish.type,
                     weight_version=o.weight_version,
                     messages=messages,
-                    message_starts=lambda: self.renderer.message_starts(
-                        call.messages, call.tools, call.template_kwargs
+                    message_starts=lambda position: self.renderer.message_at(
+                        call.messages, call.tools, call.template_kwargs, position
                     ),
                     response=o.message.model_dump(exclude_none=True),
                     choice_group=group,

@@ -60,10 +60,10 @@ class TurnRecord:
     finish_reason: FinishReason
     weight_version: str
     messages: list[dict[str, Any]]  # the request's messages (JSON form)
-    # Token offset in prompt_ids where each message starts. Finding them costs one template
-    # render per message, and only a fork needs them, so a callable is accepted and called
-    # only then (its result is not validated up front).
-    message_starts: Sequence[int] | Callable[[], Sequence[int]]
+    # Token offset in prompt_ids where each message starts; or, since finding them costs
+    # template renders and only a fork needs them, a callable mapping a token position to the
+    # index of the message holding it, called only then.
+    message_starts: Sequence[int] | Callable[[int], int]
     response: dict[str, Any]  # the assistant message returned to the client
     choice_group: str | None = None  # shared by the n choices of one request (n > 1)
     metadata: dict[str, Any] = field(default_factory=dict)  # e.g. parser errors
@@ -546,13 +546,15 @@ class TrajectoryMerger:
         message_index: int | None = None
         message_role: str | None = None
         starts = turn.message_starts
-        if callable(starts):
-            try:
-                starts = starts()
-            except Exception:  # explaining drift must never lose the turn
-                starts = []
-        if position < len(turn.prompt_ids) and starts:
-            i = bisect_right(starts, position) - 1
+        i = -1
+        if position < len(turn.prompt_ids):
+            if callable(starts):
+                try:
+                    i = starts(position)
+                except Exception:  # explaining drift must never lose the turn
+                    i = -1
+            elif starts:
+                i = bisect_right(starts, position) - 1
             if 0 <= i < len(turn.messages):
                 message_index = i
                 role = turn.messages[i].get("role")

@@ -129,28 +129,35 @@ class ChatRenderer:
         text = self.render_text(messages, tools, kwargs) + prefill
         return RenderedPrompt(token_ids=self.encode(text), prefill=prefill)
 
-    def message_starts(
+    def message_at(
         self,
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
-        kwargs: dict[str, Any] | None = None,
-    ) -> list[int]:
-        """Token offset where each message starts, for explaining drift.
+        kwargs: dict[str, Any] | None,
+        position: int,
+    ) -> int:
+        """Index of the message whose rendered tokens hold token ``position``, for explaining
+        drift.
 
-        Found by rendering growing prefixes of the conversation; costs one render per message,
-        so the gateway calls it only when a turn forks. A prefix the template refuses (some
-        templates insist on a user message) reuses the previous offset.
+        Binary search over rendered prefixes of the conversation: O(log n) renders, and the
+        gateway asks only when a turn forks. A prefix the template refuses (some insist on a
+        user message) counts as starting at 0.
         """
-        starts: list[int] = []
-        previous = 0
-        for k in range(len(messages)):
+
+        def start(k: int) -> int:
             if k == 0:
-                starts.append(0)
-                continue
+                return 0
             try:
                 text = self.render_text(messages[:k], tools, kwargs, add_generation_prompt=False)
-                previous = len(self.encode(text))
             except TemplateError:
-                pass
-            starts.append(previous)
-        return starts
+                return 0
+            return len(self.encode(text))
+
+        lo, hi = 0, len(messages) - 1  # invariant: start(lo) <= position
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if start(mid) <= position:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo

@@ -188,4 +188,4 @@ def run_engine(
     import uvicorn
 
     engine = LocalEngine(model_path, device=device)
-    uvicorn.run(build_engine_app(engine), host=host, port=port, log_level="info")
+    uvicorn.run(build_engine_app(engine), host=host, port=port, log_level="info", access_log=False)
