@@ -34,12 +34,10 @@ class EpisodeResult:
     drift: dict[str, Any]
 
 
-def weather_tool(city: str, rng: random.Random) -> tuple[str, str]:
+def weather_tool(city: str, rng: random.Random) -> str:
     """The episode's tool, run here on the agent's side: a made-up forecast."""
-    condition = rng.choice(CONDITIONS)
-    return condition, json.dumps(
-        {"city": city, "condition": condition, "temp_c": rng.randint(-5, 35)}
-    )
+    forecast = {"city": city, "weather": rng.choice(CONDITIONS), "temp_c": rng.randint(-5, 35)}
+    return json.dumps(forecast)
 
 
 def play_episode(

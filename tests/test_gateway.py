@@ -709,3 +709,25 @@ def test_metrics_and_health(stack: Stack) -> None:
     assert "corral_gateway_sessions 1.0" in text
     assert 'corral_gateway_requests_total{outcome="recorded"} 1.0' in text
     assert httpx.get(f"{stack.url}/health").json() == {"status": "ok", "engine": True}
+
+
+def test_streamed_logprobs_are_the_engines(stack: Stack) -> None:
+    s = stack.session()
+    client = openai.OpenAI(base_url=s["base_url"], api_key=s["api_key"], max_retries=0)
+    tokens = []
+    for chunk in client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Say hello."}],
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+    ):
+        for c in chunk.choices:
+            tokens += (c.logprobs.content or []) if c.logprobs else []
+    engine = stack.engine.calls[-1]
+    assert [t.logprob for t in tokens] == pytest.approx(engine.logprobs[:-1], abs=1e-6)
+    assert "".join(t.token for t in tokens) == "Hello!"
+    for t in tokens:
+        assert len(t.top_logprobs) == 2
+        assert t.top_logprobs[0].logprob >= t.logprob - 1e-6  # greedy: the top one was taken

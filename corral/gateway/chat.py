@@ -541,7 +541,9 @@ class _ChoiceStream:
         pieces.append(self.text[self.sent : end])
         self.sent = end
         out_delta = self._parse("".join(pieces), final=delta.finish_reason is not None)
-        logprobs = self.service._logprobs(self.call, delta.token_ids, delta.logprobs, self.top)
+        logprobs = self.service._logprobs(
+            self.call, delta.token_ids, delta.logprobs, delta.top_logprobs
+        )
         choices = []
         if out_delta is not None or (logprobs and logprobs.content):
             choices.append(
