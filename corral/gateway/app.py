@@ -12,15 +12,18 @@ import contextlib
 import hashlib
 import hmac
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.applications import Starlette
 from starlette.background import BackgroundTask
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from corral.engines.client import EngineClient
@@ -39,6 +42,7 @@ from corral.gateway.sessions import (
 from corral.gateway.settings import GatewaySettings
 
 T = TypeVar("T")
+Handler = Callable[..., Awaitable[Response]]
 
 # The OpenAI SDKs (Stainless-generated) send this on retries of the same request.
 RETRY_HEADER = "x-stainless-retry-count"
@@ -67,7 +71,7 @@ def build_gateway_app(
     service: ChatService,
     *,
     store: SessionStore | None = None,
-) -> FastAPI:
+) -> Starlette:
     """The gateway app. ``settings.admin_token`` None leaves session management open (local
     use only); otherwise every management route needs it as a bearer token."""
     store = store or SessionStore(
@@ -86,7 +90,7 @@ def build_gateway_app(
     registry.register(_StoreCollector(store))
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
         reaper = asyncio.create_task(_reap_forever(store))
         try:
             yield
@@ -94,17 +98,26 @@ def build_gateway_app(
             reaper.cancel()
             await engine.aclose()
 
-    app = FastAPI(title="corral gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.store = store
-    app.state.service = service
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    # Plain Starlette, not FastAPI: every handler parses its own body (to answer with
+    # OpenAI-style 400s), so FastAPI's extra layers would only add cost on the hot path.
+    routes: list[Route] = []
 
-    @app.exception_handler(GatewayError)
-    async def _gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
+    def route(path: str, method: str) -> Callable[[Handler], Handler]:
+        def register(handler: Handler) -> Handler:
+            async def endpoint(request: Request) -> Response:
+                return await handler(request, **request.path_params)
+
+            routes.append(Route(path, endpoint, methods=[method]))
+            return handler
+
+        return register
+
+    async def _gateway_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, GatewayError)
         return JSONResponse(exc.body(), status_code=exc.status)
 
-    @app.exception_handler(EngineError)
-    async def _engine_error(request: Request, exc: EngineError) -> JSONResponse:
+    async def _engine_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, EngineError)
         err = engine_error(exc)
         return JSONResponse(err.body(), status_code=err.status)
 
@@ -129,7 +142,7 @@ def build_gateway_app(
 
     # -- session management ----------------------------------------------------------------
 
-    @app.post("/sessions")
+    @route("/sessions", "POST")
     async def create_session(request: Request) -> JSONResponse:
         require_admin(request)
         raw = await request.body()
@@ -144,13 +157,13 @@ def build_gateway_app(
             status_code=201,
         )
 
-    @app.get("/sessions/{session_id}")
-    async def get_session(session_id: str, request: Request) -> JSONResponse:
+    @route("/sessions/{session_id}", "GET")
+    async def get_session(request: Request, session_id: str) -> JSONResponse:
         require_admin(request)
         return JSONResponse(session_for(session_id).view())
 
-    @app.post("/sessions/{session_id}/reward")
-    async def set_reward(session_id: str, request: Request) -> JSONResponse:
+    @route("/sessions/{session_id}/reward", "POST")
+    async def set_reward(request: Request, session_id: str) -> JSONResponse:
         require_admin(request)
         body = _parse(RewardBody, await request.body())
         session = session_for(session_id)
@@ -160,21 +173,21 @@ def build_gateway_app(
             raise bad_request(str(exc), param="reward") from None
         return JSONResponse({"id": session_id, "reward": session.reward})
 
-    @app.post("/sessions/{session_id}/fail")
-    async def fail_session(session_id: str, request: Request) -> JSONResponse:
+    @route("/sessions/{session_id}/fail", "POST")
+    async def fail_session(request: Request, session_id: str) -> JSONResponse:
         require_admin(request)
         body = _parse(FailBody, await request.body())
         session_for(session_id).mark_failed(body.reason)
         return JSONResponse({"id": session_id, "failure": body.reason})
 
-    @app.get("/sessions/{session_id}/samples")
-    async def get_samples(session_id: str, request: Request) -> JSONResponse:
+    @route("/sessions/{session_id}/samples", "GET")
+    async def get_samples(request: Request, session_id: str) -> JSONResponse:
         require_admin(request)
         samples = session_for(session_id).samples()
         return JSONResponse([s.model_dump() for s in samples])
 
-    @app.delete("/sessions/{session_id}")
-    async def delete_session(session_id: str, request: Request) -> JSONResponse:
+    @route("/sessions/{session_id}", "DELETE")
+    async def delete_session(request: Request, session_id: str) -> JSONResponse:
         require_admin(request)
         try:
             store.delete(session_id)
@@ -266,11 +279,11 @@ def build_gateway_app(
             response.model_dump(exclude_none=True), background=BackgroundTask(commit, answer)
         )
 
-    @app.post("/sessions/{session_id}/v1/chat/completions")
-    async def session_chat(session_id: str, request: Request) -> Response:
+    @route("/sessions/{session_id}/v1/chat/completions", "POST")
+    async def session_chat(request: Request, session_id: str) -> Response:
         return await chat(request, session_id)
 
-    @app.post("/v1/chat/completions")
+    @route("/v1/chat/completions", "POST")
     async def bearer_chat(request: Request) -> Response:
         return await chat(request, None)
 
@@ -290,31 +303,36 @@ def build_gateway_app(
             }
         )
 
-    @app.get("/v1/models")
+    @route("/v1/models", "GET")
     async def list_models(request: Request) -> JSONResponse:
         session_by_key(request, None)
         return models()
 
-    @app.get("/sessions/{session_id}/v1/models")
-    async def list_session_models(session_id: str, request: Request) -> JSONResponse:
+    @route("/sessions/{session_id}/v1/models", "GET")
+    async def list_session_models(request: Request, session_id: str) -> JSONResponse:
         session_by_key(request, session_id)
         return models()
 
     # -- operations --------------------------------------------------------------------------
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
+    @route("/health", "GET")
+    async def health(request: Request) -> JSONResponse:
         engine_ok = await engine.health()
         return JSONResponse(
             {"status": "ok" if engine_ok else "degraded", "engine": engine_ok},
             status_code=200 if engine_ok else 503,
         )
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
+    @route("/metrics", "GET")
+    async def metrics(request: Request) -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    return app
+    return Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        middleware=[Middleware(BodyLimit, max_bytes=settings.max_body_bytes)],
+        exception_handlers={GatewayError: _gateway_error, EngineError: _engine_error},
+    )
 
 
 # -- helpers ---------------------------------------------------------------------------------

@@ -41,6 +41,8 @@ MergeReason = Literal["extends", "first_turn", "diverged", "prompt_shorter", "si
 Decode = Callable[[Sequence[int]], str]
 
 _FINISH_REASONS = ("stop", "length", "abort")
+# How many of the most recent trajectories a fork is explained against.
+_EXPLAIN_AGAINST = 16
 # Slices compared at C speed when looking for the first divergent token.
 _COMPARE_BLOCK = 4096
 
@@ -482,10 +484,13 @@ class TrajectoryMerger:
 
     def _explain_divergence(self, index: int, turn: TurnRecord, prompt: array[int]) -> DriftEvent:
         # Compare against the trajectory sharing the longest prefix (the latest on a tie, the
-        # one the client most likely meant to continue).
-        best = self._trajectories[0]
+        # one the client most likely meant to continue). Only the most recent trajectories are
+        # searched: a session that forks on every turn would otherwise pay O(forks) prefix
+        # comparisons per turn for an explanation.
+        recent = self._trajectories[-_EXPLAIN_AGAINST:]
+        best = recent[0]
         best_common = -1
-        for t in self._trajectories:
+        for t in recent:
             common = common_prefix_length(t.tokens, prompt)
             if common >= best_common:
                 best, best_common = t, common

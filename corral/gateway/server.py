@@ -6,7 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI
+from starlette.applications import Starlette
 from transformers import AutoConfig, AutoTokenizer
 
 from corral.engines.sglang import SGLangClient
@@ -31,7 +31,7 @@ def create_gateway(
     *,
     settings: GatewaySettings | None = None,
     **overrides: Any,
-) -> FastAPI:
+) -> Starlette:
     """A gateway in front of the SGLang-API engine at ``engine_url``.
 
     ``model_path`` is a Hugging Face folder: its tokenizer and chat template render prompts

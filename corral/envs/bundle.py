@@ -1,0 +1,644 @@
+"""Env bundles: the folder format, its typed manifest, loading and validation.
+
+A bundle is a folder::
+
+    bundle.toml            the manifest (:class:`BundleManifest`)
+    tasks/<split>.jsonl    one task per line: {"id", "prompt", "data"?, "tools"?}
+    env.py                 the env class ([env] module + class), see corral.envs.episode
+    verifier.py            the grading function ([verifier] module + function)
+
+The bundle folder is imported as a package of its own (a unique name per folder), so its
+modules may import each other relatively (``from .market import simulate``); relative imports
+resolve against the bundle folder. Importing a bundle runs its code in this process: load only
+bundles you trust, or serve them in a sandbox.
+
+:func:`load_bundle` checks the manifest, the files it names, the tool schemas and that the env
+class and verifier import, and raises :class:`BundleError` listing every problem; it reads a
+split's tasks lazily, on first use. :func:`validate_bundle` runs the same checks plus every task
+line of every split and returns the problems as a list (empty when the bundle is sound). Every
+problem names the file it is about, relative to the bundle folder, with a line where there is one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import inspect
+import json
+import math
+import re
+import sys
+import threading
+import tomllib
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from corral.envs.episode import END_TURN_TOOL, Env, Task
+
+MANIFEST = "bundle.toml"
+# OpenAI's function-name rule, so every tool can be offered to any OpenAI-style client.
+_TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+_SIMPLE_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
+_JSON_TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
+
+
+class BundleError(Exception):
+    """A bundle that cannot be used; ``problems`` lists every reason found, each naming a file."""
+
+    def __init__(self, root: Path | str, problems: Sequence[str]) -> None:
+        self.root = str(root)
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"bundle {self.root}: {len(self.problems)} problem(s):\n{lines}")
+
+
+class TaskNotFound(LookupError):
+    """No task at that split / index / id (the server answers it as a client error)."""
+
+
+class VerifierError(Exception):
+    """The verifier raised, or returned something other than named finite scores."""
+
+
+class RewardError(ValueError):
+    """The scores lack a name the ``[reward]`` table combines, or hold a non-finite value."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ToolSpec(_Model):
+    """One tool the env offers: ``parameters`` is the JSON schema of its argument object."""
+
+    name: str = Field(pattern=_TOOL_NAME)
+    description: str
+    parameters: dict[str, Any]
+
+    def openai(self) -> dict[str, Any]:
+        """The tool in OpenAI's chat-completions ``tools`` shape."""
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": self.parameters,
+            },
+        }
+
+
+class SandboxSpec(_Model):
+    """What isolation the env code wants: ``none`` runs it in the server's own process."""
+
+    needs: Literal["none", "process"] = "none"
+
+
+class EnvSpec(_Model):
+    module: str = "env.py"
+    class_name: str = Field(alias="class", pattern=r"^[A-Za-z_]\w*$")
+
+
+class VerifierSpec(_Model):
+    module: str = "verifier.py"
+    function: str = Field(default="grade", pattern=r"^[A-Za-z_]\w*$")
+
+
+class RewardSpec(_Model):
+    """How named scores become one reward: take one (``score``) or a weighted sum (``weights``)."""
+
+    score: str | None = None
+    weights: dict[str, float] | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> RewardSpec:
+        if (self.score is None) == (self.weights is None):
+            raise ValueError('set exactly one of "score" (a score name) or "weights" (a table)')
+        if self.weights is not None:
+            if not self.weights:
+                raise ValueError('"weights" is empty')
+            if not all(math.isfinite(w) for w in self.weights.values()):
+                raise ValueError('"weights" must be finite numbers')
+        return self
+
+    def combine(self, scores: Mapping[str, float]) -> float:
+        """The reward for ``scores``; raises :class:`RewardError` for a missing or bad score."""
+        names = [self.score] if self.score is not None else list(self.weights or {})
+        missing = [n for n in names if n not in scores]
+        if missing:
+            raise RewardError(
+                f"[reward] needs score(s) {missing}, the verifier returned {sorted(scores)}"
+            )
+        if self.score is not None:
+            value = float(scores[self.score])
+        else:
+            value = sum(w * float(scores[n]) for n, w in (self.weights or {}).items())
+        if not math.isfinite(value):
+            raise RewardError(f"reward is not finite ({value}) for scores {dict(scores)}")
+        return value
+
+
+class BundleManifest(_Model):
+    """``bundle.toml``, validated. Paths in it are relative to the bundle folder."""
+
+    name: str = Field(pattern=_SIMPLE_NAME)
+    version: str = Field(min_length=1)
+    description: str = ""
+    system_prompt: str
+    max_turns: int = Field(ge=1)
+    splits: dict[str, str] = Field(min_length=1)
+    sandbox: SandboxSpec = SandboxSpec()
+    env: EnvSpec
+    verifier: VerifierSpec = VerifierSpec()
+    reward: RewardSpec
+    tools: list[ToolSpec] = Field(default_factory=list)
+
+
+class _TaskLine(_Model):
+    """One line of a tasks file: split and index come from where the line sits."""
+
+    id: str = Field(min_length=1)
+    prompt: str
+    data: dict[str, Any] = Field(default_factory=dict)
+    tools: list[str] | None = None
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """What the shallow checks produced: all fields set only when ``problems`` is empty."""
+
+    problems: list[str]
+    manifest: BundleManifest | None = None
+    env_class: type | None = None
+    verifier: Callable[..., Any] | None = None
+
+
+class Bundle:
+    """A loaded bundle: its manifest, tasks (read per split on first use), env and verifier.
+
+    Thread-safe: task files are read under a lock, and everything else is immutable.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        manifest: BundleManifest,
+        env_class: type,
+        verifier: Callable[..., Any],
+    ) -> None:
+        self.root = root
+        self.manifest = manifest
+        self.env_class = env_class
+        self._verifier = verifier
+        self._tasks: dict[str, list[Task]] = {}
+        self._by_id: dict[str, Task] | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def name(self) -> str:
+        return self.manifest.name
+
+    @property
+    def splits(self) -> list[str]:
+        return list(self.manifest.splits)
+
+    def tasks(self, split: str) -> list[Task]:
+        """Every task of ``split``, in file order (a copy of the list).
+
+        Raises :class:`TaskNotFound` for an unknown split and :class:`BundleError` when the
+        split's file has a bad line (all of that file's problems listed).
+        """
+        if split not in self.manifest.splits:
+            raise TaskNotFound(f"no split {split!r} (splits: {self.splits})")
+        with self._lock:
+            if split not in self._tasks:
+                rel = self.manifest.splits[split]
+                tasks, problems = _read_tasks(self.root, split, rel, self._tool_names())
+                if problems:
+                    raise BundleError(self.root, problems)
+                self._tasks[split] = tasks
+            return list(self._tasks[split])
+
+    def task(self, split: str, index: int) -> Task:
+        """The task at ``index`` of ``split``; :class:`TaskNotFound` when there is none."""
+        tasks = self.tasks(split)
+        if not 0 <= index < len(tasks):
+            raise TaskNotFound(f"split {split!r} has {len(tasks)} tasks, no index {index}")
+        return tasks[index]
+
+    def task_by_id(self, task_id: str) -> Task:
+        """The task with this id in any split (reads every split once); else TaskNotFound."""
+        if self._by_id is None:
+            by_id: dict[str, Task] = {}
+            for split in self.splits:
+                for task in self.tasks(split):
+                    if task.id in by_id:
+                        raise BundleError(self.root, [f"duplicate task id {task.id!r}"])
+                    by_id[task.id] = task
+            self._by_id = by_id
+        try:
+            return self._by_id[task_id]
+        except KeyError:
+            raise TaskNotFound(f"no task with id {task_id!r}") from None
+
+    def tools_for(self, task: Task) -> list[ToolSpec]:
+        """The tools ``task`` offers, in manifest order (``end_turn`` is the server's to add)."""
+        if task.tools is None:
+            return list(self.manifest.tools)
+        wanted = set(task.tools)
+        return [t for t in self.manifest.tools if t.name in wanted]
+
+    def make_env(self) -> Env:
+        """A fresh env for one episode (the env class called with no arguments)."""
+        env: Env = self.env_class()
+        return env
+
+    def grade(self, task: Task, state: dict[str, Any]) -> dict[str, float]:
+        """Run the verifier on an episode's final state.
+
+        Returns the named scores as floats. Raises :class:`VerifierError` when the verifier
+        raises or returns anything but a mapping of names to finite numbers: a crashing
+        verifier must surface as a failed episode, never as a silent 0.
+        """
+        try:
+            raw = self._verifier(task, state)
+        except Exception as exc:
+            raise VerifierError(f"verifier raised {type(exc).__name__}: {exc}") from exc
+        if not isinstance(raw, Mapping):
+            raise VerifierError(f"verifier returned {type(raw).__name__}, not a dict of scores")
+        scores: dict[str, float] = {}
+        for key, value in raw.items():
+            if not isinstance(key, str) or not isinstance(value, int | float):
+                raise VerifierError(f"verifier returned a bad score {key!r}: {value!r}")
+            if not math.isfinite(value):
+                raise VerifierError(f"verifier returned a non-finite score {key!r}: {value}")
+            scores[key] = float(value)
+        return scores
+
+    def reward(self, scores: Mapping[str, float]) -> float:
+        """Combine named scores per ``[reward]``; :class:`RewardError` if one is missing."""
+        return self.manifest.reward.combine(scores)
+
+    def _tool_names(self) -> set[str]:
+        return {t.name for t in self.manifest.tools}
+
+
+def load_bundle(path: Path | str) -> Bundle:
+    """Load the bundle at ``path`` (tasks are read lazily, per split, on first use).
+
+    Raises :class:`BundleError` listing every problem the shallow checks find: the manifest,
+    the files it names, tool schemas, the env class and verifier imports. Task lines are not
+    read here: :func:`validate_bundle` checks them, and :meth:`Bundle.tasks` raises on them.
+    """
+    root = Path(path)
+    checked = _check(root)
+    if checked.problems:
+        raise BundleError(root, checked.problems)
+    assert checked.manifest and checked.env_class and checked.verifier  # set when no problems
+    return Bundle(root.resolve(), checked.manifest, checked.env_class, checked.verifier)
+
+
+def validate_bundle(path: Path | str) -> list[str]:
+    """Every problem with the bundle at ``path``, each explained and naming its file.
+
+    Runs :func:`load_bundle`'s checks plus every line of every split's tasks file (JSON, the
+    fields, unknown tools, duplicate ids across splits). An empty list means the bundle loads
+    and every task is well-formed. Never raises for a broken bundle; imports its code.
+    """
+    root = Path(path)
+    checked = _check(root)
+    problems = list(checked.problems)
+    manifest = checked.manifest
+    if manifest is None:
+        return problems
+    tool_names = {t.name for t in manifest.tools}
+    first_seen: dict[str, str] = {}
+    for split, rel in manifest.splits.items():
+        if not _inside(root, rel) or not (root / rel).is_file():
+            continue  # already reported by _check
+        tasks, task_problems = _read_tasks(root, split, rel, tool_names)
+        problems.extend(task_problems)
+        for task in tasks:
+            where = f"{rel}:{_line_of(root / rel, task.index)}"
+            if task.id in first_seen:
+                problems.append(
+                    f"{where}: duplicate task id {task.id!r} (first at {first_seen[task.id]})"
+                )
+            else:
+                first_seen[task.id] = where
+        if not tasks and not task_problems:
+            problems.append(f"{rel}: split {split!r} has no tasks")
+    return problems
+
+
+def parameters_problems(schema: Any) -> list[str]:
+    """What is wrong with a tool's ``parameters`` as a JSON schema of an argument object.
+
+    Checks the top level is ``{"type": "object", "properties": {...}}`` and, recursively, the
+    structural keywords (``type``, ``properties``, ``items``, ``required``, ``enum``,
+    ``anyOf``/``oneOf``/``allOf``). Not a full meta-schema check: unknown keywords pass.
+    """
+    if not isinstance(schema, dict):
+        return [f"must be a JSON schema object (a table), not {type(schema).__name__}"]
+    problems: list[str] = []
+    if schema.get("type") != "object":
+        got = schema.get("type")
+        problems.append(f'"type" must be "object" (tool arguments are a JSON object), got {got!r}')
+    if not isinstance(schema.get("properties"), dict):
+        problems.append('"properties" must be a table mapping each argument to its schema')
+    problems.extend(_subschema_problems(schema, "parameters"))
+    return problems
+
+
+def _subschema_problems(schema: Any, where: str) -> list[str]:
+    if isinstance(schema, bool):
+        return []  # true / false are valid schemas
+    if not isinstance(schema, dict):
+        return [f"{where}: a schema must be an object, not {type(schema).__name__}"]
+    problems: list[str] = []
+    kind = schema.get("type")
+    if kind is not None:
+        kinds = kind if isinstance(kind, list) else [kind]
+        bad = [k for k in kinds if k not in _JSON_TYPES]
+        if bad or not kinds:
+            problems.append(f"{where}.type: {kind!r} is not a JSON type ({sorted(_JSON_TYPES)})")
+    props = schema.get("properties")
+    if props is not None:
+        if not isinstance(props, dict):
+            problems.append(f"{where}.properties: must be an object")
+        else:
+            for name, sub in props.items():
+                problems.extend(_subschema_problems(sub, f"{where}.properties.{name}"))
+    required = schema.get("required")
+    if required is not None:
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            problems.append(f"{where}.required: must be a list of property names")
+        elif isinstance(props, dict):
+            unknown = [r for r in required if r not in props]
+            if unknown:
+                problems.append(f"{where}.required: names no property {unknown}")
+    if "items" in schema:
+        problems.extend(_subschema_problems(schema["items"], f"{where}.items"))
+    enum = schema.get("enum")
+    if enum is not None and (not isinstance(enum, list) or not enum):
+        problems.append(f"{where}.enum: must be a non-empty list")
+    for key in ("anyOf", "oneOf", "allOf"):
+        if key in schema:
+            subs = schema[key]
+            if not isinstance(subs, list) or not subs:
+                problems.append(f"{where}.{key}: must be a non-empty list of schemas")
+            else:
+                for i, sub in enumerate(subs):
+                    problems.extend(_subschema_problems(sub, f"{where}.{key}[{i}]"))
+    return problems
+
+
+def _check(root: Path) -> _Checked:
+    """The shallow checks: manifest, named files, tool schemas, env and verifier imports."""
+    if not root.is_dir():
+        return _Checked([f"{root}: not a directory (a bundle is a folder with {MANIFEST})"])
+    manifest_path = root / MANIFEST
+    if not manifest_path.is_file():
+        return _Checked([f"{MANIFEST}: missing (every bundle folder needs one)"])
+    try:
+        with manifest_path.open("rb") as f:
+            raw = tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        return _Checked([f"{MANIFEST}: not valid TOML: {exc}"])
+    try:
+        manifest = BundleManifest.model_validate(raw)
+    except ValidationError as exc:
+        return _Checked([f"{MANIFEST}: {m}" for m in _validation_messages(exc, raw)])
+
+    problems: list[str] = []
+    seen_tools: set[str] = set()
+    for i, tool in enumerate(manifest.tools):
+        where = f"{MANIFEST}: tools[{i}] ({tool.name})"
+        if tool.name == END_TURN_TOOL:
+            problems.append(f"{where}: {END_TURN_TOOL!r} is reserved (the server provides it)")
+        if tool.name in seen_tools:
+            problems.append(f"{where}: duplicate tool name")
+        seen_tools.add(tool.name)
+        problems.extend(f"{where}: parameters: {p}" for p in parameters_problems(tool.parameters))
+    for split, rel in manifest.splits.items():
+        if not re.match(_SIMPLE_NAME, split):
+            problems.append(f"{MANIFEST}: splits: bad split name {split!r}")
+        problems.extend(_file_problems(root, rel, f"splits.{split}"))
+
+    package = _bundle_package(root, manifest.name)
+    env_class = _load_env_class(root, package, manifest.env, problems)
+    verifier = _load_verifier(root, package, manifest.verifier, problems)
+    if problems:
+        return _Checked(problems, manifest)
+    return _Checked([], manifest, env_class, verifier)
+
+
+def _file_problems(root: Path, rel: str, key: str) -> list[str]:
+    if not _inside(root, rel):
+        return [f"{MANIFEST}: {key}: {rel!r} must be a relative path inside the bundle folder"]
+    if not (root / rel).is_file():
+        return [f"{rel}: missing (named by {MANIFEST} {key})"]
+    return []
+
+
+def _inside(root: Path, rel: str) -> bool:
+    if Path(rel).is_absolute():
+        return False
+    return (root / rel).resolve().is_relative_to(root.resolve())
+
+
+def _load_env_class(root: Path, package: str, spec: EnvSpec, problems: list[str]) -> type | None:
+    module = _import_module(root, package, spec.module, "env.module", problems)
+    if module is None:
+        return None
+    cls = getattr(module, spec.class_name, None)
+    if not isinstance(cls, type):
+        problems.append(f"{spec.module}: defines no class {spec.class_name!r} ([env] class)")
+        return None
+    missing = [m for m in ("reset", "call_tool", "state") if not callable(getattr(cls, m, None))]
+    if missing:
+        problems.append(
+            f"{spec.module}: class {spec.class_name} lacks {missing} (the Env protocol: "
+            "reset(task), call_tool(name, arguments), state())"
+        )
+    try:
+        inspect.signature(cls).bind()
+    except TypeError:
+        problems.append(f"{spec.module}: class {spec.class_name} must take no constructor args")
+    except ValueError:
+        pass  # no signature to inspect (a builtin base); the server finds out at make_env
+    return cls
+
+
+def _load_verifier(
+    root: Path, package: str, spec: VerifierSpec, problems: list[str]
+) -> Callable[..., Any] | None:
+    module = _import_module(root, package, spec.module, "verifier.module", problems)
+    if module is None:
+        return None
+    fn = getattr(module, spec.function, None)
+    if not callable(fn):
+        problems.append(f"{spec.module}: defines no callable {spec.function!r} ([verifier])")
+        return None
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError:
+        problems.append(f"{spec.module}: {spec.function} must take (task, state)")
+    except ValueError:
+        pass
+    return fn
+
+
+def _package_name(root: Path, bundle_name: str) -> str:
+    # One package per bundle folder: two bundles with the same module names never collide.
+    digest = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:12]
+    return f"_corral_bundle_{_identifier(bundle_name)}_{digest}"
+
+
+def _identifier(text: str) -> str:
+    return re.sub(r"\W", "_", text)
+
+
+def _bundle_package(root: Path, bundle_name: str) -> str:
+    """(Re)create the bundle's package in ``sys.modules`` so a fresh load sees edited code."""
+    package = _package_name(root, bundle_name)
+    for name in [n for n in sys.modules if n == package or n.startswith(package + ".")]:
+        del sys.modules[name]
+    spec = importlib.util.spec_from_loader(package, loader=None, is_package=True)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    module.__path__ = [str(root.resolve())]
+    sys.modules[package] = module
+    return package
+
+
+def _import_module(
+    root: Path, package: str, rel: str, key: str, problems: list[str]
+) -> ModuleType | None:
+    """Import ``rel`` from the bundle as a submodule of ``package``; report why not."""
+    file_problems = _file_problems(root, rel, key)
+    if file_problems:
+        problems.extend(file_problems)
+        return None
+    if not rel.endswith(".py"):
+        problems.append(f"{MANIFEST}: {key}: {rel!r} must be a .py file")
+        return None
+    name = f"{package}.{_identifier(rel.removesuffix('.py'))}"
+    if name in sys.modules:
+        return sys.modules[name]  # the env and verifier may share one module
+    spec = importlib.util.spec_from_file_location(name, root / rel)
+    if spec is None or spec.loader is None:
+        problems.append(f"{rel}: cannot be imported (no loader for it)")
+        return None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        problems.append(f"{rel}: does not import: {_describe_exception(exc, root)}")
+        return None
+    return module
+
+
+def _describe_exception(exc: BaseException, root: Path) -> str:
+    """``Type: message (file:line)``, the line being the last frame inside the bundle."""
+    if isinstance(exc, SyntaxError):
+        return f"SyntaxError: {exc.msg} ({Path(exc.filename or '?').name}:{exc.lineno})"
+    where = ""
+    base = str(root.resolve())
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if frame.filename.startswith(base):
+            where = f" ({Path(frame.filename).relative_to(base)}:{frame.lineno})"
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+def _read_tasks(
+    root: Path, split: str, rel: str, tool_names: set[str]
+) -> tuple[list[Task], list[str]]:
+    """Parse one tasks file; returns the good tasks and a problem per bad line (file:line)."""
+    tasks: list[Task] = []
+    problems: list[str] = []
+    index = 0
+    try:
+        text = (root / rel).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        return [], [f"{rel}: cannot be read: {exc}"]
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{rel}:{lineno}"
+        this_index, index = index, index + 1
+        try:
+            raw = json.loads(line)
+        except json.JSONDecodeError as exc:
+            problems.append(f"{where}: not JSON ({exc.msg} at column {exc.colno})")
+            continue
+        if not isinstance(raw, dict):
+            problems.append(f"{where}: a task line must be a JSON object")
+            continue
+        try:
+            record = _TaskLine.model_validate(raw)
+        except ValidationError as exc:
+            problems.extend(f"{where}: {m}" for m in _validation_messages(exc, raw))
+            continue
+        unknown = [t for t in record.tools or [] if t not in tool_names]
+        if unknown:
+            problems.append(
+                f"{where}: task {record.id!r} references unknown tool(s) {unknown} "
+                f"(the bundle defines {sorted(tool_names)})"
+            )
+            continue
+        tasks.append(Task(split=split, index=this_index, **record.model_dump()))
+    return tasks, problems
+
+
+def _line_of(path: Path, index: int) -> int:
+    """The 1-based line of the ``index``-th non-blank line (for messages only)."""
+    seen = -1
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if line.strip():
+                seen += 1
+                if seen == index:
+                    return lineno
+    return 0
+
+
+def _validation_messages(exc: ValidationError, raw: Any) -> list[str]:
+    """One message per pydantic error: the dotted location (tools named), what is wrong."""
+    messages = []
+    for error in exc.errors():
+        parts: list[str] = []
+        node = raw
+        for key in error["loc"]:
+            if isinstance(key, int):
+                parts[-1:] = [f"{parts[-1] if parts else ''}[{key}]"]
+            else:
+                parts.append(str(key))
+            node = _child(node, key)
+            named = isinstance(node, dict) and isinstance(node.get("name"), str)
+            if named and isinstance(key, int) and isinstance(node, dict):
+                parts[-1] += f" ({node['name']})"  # "tools[1] (simulate)" beats "tools[1]"
+        loc = ".".join(parts) or "(top level)"
+        msg = error["msg"]
+        if error["type"] == "extra_forbidden":
+            msg = "unknown field (not part of the format)"
+        elif error["type"] == "missing":
+            msg = "required field missing"
+        messages.append(f"{loc}: {msg}")
+    return messages
+
+
+def _child(node: Any, key: str | int) -> Any:
+    """``node[key]`` when it exists, else None (error locations may point past the data)."""
+    if isinstance(node, dict):
+        return node.get(key)
+    if isinstance(node, list) and isinstance(key, int) and 0 <= key < len(node):
+        return node[key]
+    return None
