@@ -231,16 +231,17 @@ def build_gateway_app(
     async def chat(request: Request, session_id: str | None) -> Response:
         session = session_by_key(request, session_id)
         raw = await request.body()
-        chat_request = _parse(ChatCompletionRequest, raw)
+        data = _json_object(raw)
+        chat_request = _validate(ChatCompletionRequest, data)
         replay_key = hashlib.sha256(raw).hexdigest()
         if _is_retry(request):
             remembered = session.recall(replay_key)
             if remembered is not None:
                 requests_total.labels("replayed").inc()
                 if chat_request.stream:
-                    return _sse_response(_replay_stream(remembered, chat_request))
-                return JSONResponse(remembered)
-        call = service.prepare(session, chat_request)
+                    return _sse_response(_replay_stream(json.loads(remembered), chat_request))
+                return Response(remembered, media_type="application/json")
+        call = service.prepare(session, chat_request, data["messages"])
         try:
             store.check_capacity(
                 len(call.prompt_ids) + sum(s.max_new_tokens for s in call.sampling)
@@ -270,13 +271,13 @@ def build_gateway_app(
             return _sse_response(events())
 
         try:
-            response, answer = await _unless_disconnected(request, service.complete(call))
+            body, answer = await _unless_disconnected(request, service.complete(call))
         except ClientGone:
             requests_total.labels("client_gone").inc()
             return Response(status_code=499)
         # Recorded only after the body went out: a turn the client never got is not kept.
-        return JSONResponse(
-            response.model_dump(exclude_none=True), background=BackgroundTask(commit, answer)
+        return Response(
+            body, media_type="application/json", background=BackgroundTask(commit, answer)
         )
 
     @route("/sessions/{session_id}/v1/chat/completions", "POST")
@@ -340,14 +341,23 @@ def build_gateway_app(
 M = TypeVar("M", bound=BaseModel)
 
 
-def _parse(model: type[M], raw: bytes) -> M:
-    """Parse a JSON body into ``model``; a 400 naming the first bad field otherwise."""
+def _json_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object; a 400 saying why otherwise."""
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_request(f"the body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request("the body must be a JSON object", code="invalid_json")
+    return data
+
+
+def _parse(model: type[M], raw: bytes) -> M:
+    """Parse a JSON body into ``model``; a 400 naming the first bad field otherwise."""
+    return _validate(model, _json_object(raw))
+
+
+def _validate(model: type[M], data: dict[str, Any]) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as exc:

@@ -82,6 +82,8 @@ class PreparedCall:
 
     request: ChatCompletionRequest
     messages: list[dict[str, Any]]
+    # The request's messages as the client sent them (JSON), recorded with the turn.
+    sent_messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     template_kwargs: dict[str, Any]
     prompt_ids: list[int]
@@ -116,7 +118,7 @@ class Answer:
     """A finished call: the turns to record and, for replay, what the client received."""
 
     turns: list[TurnRecord]
-    replay: dict[str, Any]
+    replay: str  # the chat completion as JSON, as the client received it
 
 
 class ChatService:
@@ -136,7 +138,12 @@ class ChatService:
 
     # -- preparing ---------------------------------------------------------------------------
 
-    def prepare(self, session: Session, request: ChatCompletionRequest) -> PreparedCall:
+    def prepare(
+        self,
+        session: Session,
+        request: ChatCompletionRequest,
+        sent_messages: list[dict[str, Any]] | None = None,
+    ) -> PreparedCall:
         """Validate what the request asks against the session, render it, size the output.
 
         Raises :class:`GatewayError` (400) naming what cannot be honoured.
@@ -192,9 +199,12 @@ class ChatService:
         tool_specs = (
             [ToolSpec.from_openai(t.model_dump()) for t in request.tools] if request.tools else None
         )
+        if sent_messages is None:
+            sent_messages = [m.model_dump(exclude_none=True) for m in request.messages]
         return PreparedCall(
             request=request,
             messages=messages,
+            sent_messages=sent_messages,
             tools=tools,
             template_kwargs=kwargs,
             prompt_ids=prompt_ids,
@@ -230,8 +240,11 @@ class ChatService:
 
     # -- non-streaming -----------------------------------------------------------------------
 
-    async def complete(self, call: PreparedCall) -> tuple[ChatCompletion, Answer]:
-        """Run all choices; on cancellation (client gone) abort them in the engine."""
+    async def complete(self, call: PreparedCall) -> tuple[str, Answer]:
+        """Run all choices; return the chat completion as JSON text and the answer to record.
+
+        On cancellation (client gone) every choice is aborted in the engine.
+        """
         rids = [f"{call.completion_id}-{i}" for i in range(call.request.n)]
         tasks = [
             asyncio.ensure_future(self.engine.generate(self._engine_request(call, i, rid)))
@@ -282,8 +295,8 @@ class ChatService:
             ],
             usage=_usage(call, outputs),
         )
-        body = response.model_dump(exclude_none=True)
-        return response, Answer(turns=self._turns(call, outputs), replay=body)
+        body = response.model_dump_json(exclude_none=True)
+        return body, Answer(turns=self._turns(call, outputs), replay=body)
 
     def _finish_choice(
         self,
@@ -433,7 +446,7 @@ class ChatService:
                     for o in outputs
                 ],
                 usage=_usage(call, outputs),
-            ).model_dump(exclude_none=True)
+            ).model_dump_json(exclude_none=True)
             answer.append(Answer(turns=self._turns(call, outputs), replay=replay))
         except (EngineError, GatewayError) as exc:
             # Headers are sent already: report the error in the stream, as OpenAI does.
@@ -456,7 +469,7 @@ class ChatService:
 
     def _turns(self, call: PreparedCall, outputs: list[ChoiceOutput]) -> list[TurnRecord]:
         group = call.completion_id if len(outputs) > 1 else None
-        messages = [m.model_dump(exclude_none=True) for m in call.request.messages]
+        messages = call.sent_messages
         turns = []
         for o in outputs:
             metadata: dict[str, Any] = {"rid": o.rid, "finish_reason": o.finish_reason}
