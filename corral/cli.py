@@ -81,6 +81,19 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bundle_validate(args: argparse.Namespace) -> int:
+    from corral.envs.bundle import validate_bundle
+
+    problems = validate_bundle(Path(args.path))
+    for problem in problems:
+        print(f"{args.path}: {problem}", file=sys.stderr)
+    if problems:
+        print(f"{len(problems)} problem(s) found", file=sys.stderr)
+        return 1
+    print(f"{args.path}: ok")
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from corral.run import run_main_job
 
@@ -126,6 +139,18 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--no-imprint", action="store_true", help="random weights only")
     tiny.set_defaults(func=cmd_model_tiny)
+
+    bundle = sub.add_parser("bundle", help="env bundles").add_subparsers(
+        dest="bundle_command", required=True, metavar="ACTION"
+    )
+    validate = bundle.add_parser(
+        "validate",
+        help="check a bundle and explain every problem found",
+        description="Checks bundle.toml, the tool schemas, every task line, and that the env "
+        "and verifier code import. Runs the bundle's code in this process.",
+    )
+    validate.add_argument("path", help="the bundle folder")
+    validate.set_defaults(func=cmd_bundle_validate)
 
     engine = sub.add_parser(
         "engine",

@@ -75,3 +75,19 @@ def test_model_tiny_builds_a_loadable_model(tmp_path: Path) -> None:
         in (tmp_path / "m" / "tokenizer_config.json").read_text()
         + (tmp_path / "m" / "tokenizer.json").read_text()
     )
+
+
+def test_bundle_validate_accepts_gridsim_and_explains_a_broken_bundle(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[1]
+    ok = subprocess.run(
+        [*CORRAL, "bundle", "validate", str(root / "bundles" / "gridsim")],
+        capture_output=True,
+        text=True,
+    )
+    assert ok.returncode == 0, ok.stderr
+    (tmp_path / "bundle.toml").write_text('name = "broken"\n')
+    bad = subprocess.run(
+        [*CORRAL, "bundle", "validate", str(tmp_path)], capture_output=True, text=True
+    )
+    assert bad.returncode == 1
+    assert "problem(s) found" in bad.stderr and "bundle.toml" in bad.stderr

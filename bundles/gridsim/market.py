@@ -81,8 +81,7 @@ def simulate(prices: Sequence[float], schedule: Sequence[Any], battery: Battery)
     violations: list[str] = []
     if len(schedule) != len(prices):
         violations.append(
-            f"the schedule has {len(schedule)} values; it needs exactly {len(prices)}, "
-            "one per hour"
+            f"the schedule has {len(schedule)} values; it needs exactly {len(prices)}, one per hour"
         )
     soc = battery.initial_soc_mwh
     profit = 0.0
@@ -148,7 +147,7 @@ def scores(
 
     ``grade`` (the reward), ``valid`` (1/0), ``profit`` and ``optimum_profit`` (EUR; profit is 0
     for an invalid schedule) and ``ratio`` (profit / optimum; 1 on a zero-optimum day with a
-    zero profit; 0 when invalid; negative for a loss).
+    zero profit; 0 when invalid; negative for a loss, except on a zero-optimum day, where it is 0).
     """
     best, _ = optimum(prices, battery)
     if schedule is None:
@@ -159,15 +158,22 @@ def scores(
     profit = sim.profit
     if abs(profit) <= _TOLERANCE_EUR:
         profit = 0.0
-    if best <= _TOLERANCE_EUR:
-        ratio = 1.0 if profit >= 0 else -1.0
-    else:
-        ratio = min(profit / best, 1.0)  # min: a DP tie within float noise is still 1
+    ratio = _ratio(profit, best)
     grade = 0.0 if profit < 0 else IDLE_GRADE + (1 - IDLE_GRADE) * ratio
     return _scores(grade, 1.0, best, profit, ratio)
 
 
-def _scores(grade: float, valid: float, best: float, profit: float, ratio: float) -> dict[str, float]:
+def _ratio(profit: float, best: float) -> float:
+    """profit / optimum, capped at 1 (float noise); on a zero-optimum day 1 for profit 0."""
+    if best <= _TOLERANCE_EUR:
+        # Nothing pays today: profit 0 is the optimum, and a loss has no meaningful ratio.
+        return 1.0 if profit >= 0 else 0.0
+    return min(profit / best, 1.0)
+
+
+def _scores(
+    grade: float, valid: float, best: float, profit: float, ratio: float
+) -> dict[str, float]:
     return {
         "grade": grade,
         "valid": valid,

@@ -213,20 +213,11 @@ class Bundle:
         Raises :class:`TaskNotFound` for an unknown split and :class:`BundleError` when the
         split's file has a bad line (all of that file's problems listed).
         """
-        if split not in self.manifest.splits:
-            raise TaskNotFound(f"no split {split!r} (splits: {self.splits})")
-        with self._lock:
-            if split not in self._tasks:
-                rel = self.manifest.splits[split]
-                tasks, problems = _read_tasks(self.root, split, rel, self._tool_names())
-                if problems:
-                    raise BundleError(self.root, problems)
-                self._tasks[split] = tasks
-            return list(self._tasks[split])
+        return list(self._split(split))
 
     def task(self, split: str, index: int) -> Task:
         """The task at ``index`` of ``split``; :class:`TaskNotFound` when there is none."""
-        tasks = self.tasks(split)
+        tasks = self._split(split)
         if not 0 <= index < len(tasks):
             raise TaskNotFound(f"split {split!r} has {len(tasks)} tasks, no index {index}")
         return tasks[index]
@@ -236,7 +227,7 @@ class Bundle:
         if self._by_id is None:
             by_id: dict[str, Task] = {}
             for split in self.splits:
-                for task in self.tasks(split):
+                for task in self._split(split):
                     if task.id in by_id:
                         raise BundleError(self.root, [f"duplicate task id {task.id!r}"])
                     by_id[task.id] = task
@@ -254,7 +245,10 @@ class Bundle:
         return [t for t in self.manifest.tools if t.name in wanted]
 
     def make_env(self) -> Env:
-        """A fresh env for one episode (the env class called with no arguments)."""
+        """A fresh env for one episode (the env class called with no arguments).
+
+        Whatever the env's constructor raises propagates: that is a bug in the bundle.
+        """
         env: Env = self.env_class()
         return env
 
@@ -283,6 +277,19 @@ class Bundle:
     def reward(self, scores: Mapping[str, float]) -> float:
         """Combine named scores per ``[reward]``; :class:`RewardError` if one is missing."""
         return self.manifest.reward.combine(scores)
+
+    def _split(self, split: str) -> list[Task]:
+        """The split's cached tasks (read on first use); shared: callers must not mutate it."""
+        if split not in self.manifest.splits:
+            raise TaskNotFound(f"no split {split!r} (splits: {self.splits})")
+        with self._lock:
+            if split not in self._tasks:
+                rel = self.manifest.splits[split]
+                lines, problems = _read_tasks(self.root, split, rel, self._tool_names())
+                if problems:
+                    raise BundleError(self.root, problems)
+                self._tasks[split] = [task for _, task in lines]
+            return self._tasks[split]
 
     def _tool_names(self) -> set[str]:
         return {t.name for t in self.manifest.tools}
@@ -321,17 +328,17 @@ def validate_bundle(path: Path | str) -> list[str]:
     for split, rel in manifest.splits.items():
         if not _inside(root, rel) or not (root / rel).is_file():
             continue  # already reported by _check
-        tasks, task_problems = _read_tasks(root, split, rel, tool_names)
+        lines, task_problems = _read_tasks(root, split, rel, tool_names)
         problems.extend(task_problems)
-        for task in tasks:
-            where = f"{rel}:{_line_of(root / rel, task.index)}"
+        for lineno, task in lines:
+            where = f"{rel}:{lineno}"
             if task.id in first_seen:
                 problems.append(
                     f"{where}: duplicate task id {task.id!r} (first at {first_seen[task.id]})"
                 )
             else:
                 first_seen[task.id] = where
-        if not tasks and not task_problems:
+        if not lines and not task_problems:
             problems.append(f"{rel}: split {split!r} has no tasks")
     return problems
 
@@ -560,9 +567,9 @@ def _describe_exception(exc: BaseException, root: Path) -> str:
 
 def _read_tasks(
     root: Path, split: str, rel: str, tool_names: set[str]
-) -> tuple[list[Task], list[str]]:
-    """Parse one tasks file; returns the good tasks and a problem per bad line (file:line)."""
-    tasks: list[Task] = []
+) -> tuple[list[tuple[int, Task]], list[str]]:
+    """Parse one tasks file: the good tasks with their line numbers, a problem per bad line."""
+    tasks: list[tuple[int, Task]] = []
     problems: list[str] = []
     index = 0
     try:
@@ -594,20 +601,8 @@ def _read_tasks(
                 f"(the bundle defines {sorted(tool_names)})"
             )
             continue
-        tasks.append(Task(split=split, index=this_index, **record.model_dump()))
+        tasks.append((lineno, Task(split=split, index=this_index, **record.model_dump())))
     return tasks, problems
-
-
-def _line_of(path: Path, index: int) -> int:
-    """The 1-based line of the ``index``-th non-blank line (for messages only)."""
-    seen = -1
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if line.strip():
-                seen += 1
-                if seen == index:
-                    return lineno
-    return 0
 
 
 def _validation_messages(exc: ValidationError, raw: Any) -> list[str]:

@@ -34,7 +34,8 @@ class Task(BaseModel):
 
     ``prompt`` is the first user message. ``data`` is the env's own, opaque to corral (the
     server's task API serves it, so it must not hold the answer). ``tools`` names the subset of
-    the bundle's tools this task offers; ``None`` offers them all.
+    the bundle's tools this task offers; ``None`` offers them all. Tasks are shared between
+    episodes: an env copies what it wants to change in ``data`` instead of mutating it.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
