@@ -1,0 +1,182 @@
+"""``EnvClient``: an async client for the env server's WebSocket protocol.
+
+One client is one socket and at most one episode at a time; calls are sequential (an
+``asyncio.Lock`` serialises them). Every request carries a fresh ``request_id``; a reply with
+another id (the late answer to a request that timed out) is dropped, so a timeout never makes
+later replies answer the wrong call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+from types import TracebackType
+from typing import Any
+
+import websockets
+from pydantic import ValidationError
+from websockets.asyncio.client import ClientConnection
+
+from corral.envs.protocol import (
+    SERVER_MESSAGE,
+    ErrorData,
+    ErrorMessage,
+    ObservationData,
+    ObservationMessage,
+    StateMessage,
+)
+
+
+class EnvClientError(Exception):
+    """The client could not talk to the server: unreachable, refused token, dropped socket,
+    a timeout or a reply that breaks the protocol."""
+
+
+class EnvServerError(EnvClientError):
+    """The server answered ``error``: ``code`` (an ``ErrorCode`` value) and ``data`` (all of
+    the error's fields, e.g. ``active`` and ``max`` for ``CAPACITY_REACHED``)."""
+
+    def __init__(self, data: ErrorData) -> None:
+        super().__init__(f"{data.code.value}: {data.message}")
+        self.code = data.code.value
+        self.data = data.model_dump(mode="json")
+
+
+def ws_url(url: str) -> str:
+    """The socket URL for a server URL: ``http(s)://host:port`` -> ``ws(s)://host:port/ws``."""
+    if url.startswith("http://"):
+        url = "ws://" + url.removeprefix("http://")
+    elif url.startswith("https://"):
+        url = "wss://" + url.removeprefix("https://")
+    return url if url.rstrip("/").endswith("/ws") else url.rstrip("/") + "/ws"
+
+
+class EnvClient:
+    """Play episodes on an env server at ``url`` (http(s):// or ws(s)://).
+
+    ``timeout`` bounds each reply (a reset may wait for capacity: pass ``reset_timeout`` above
+    the server's). Connects on first use; ``close()`` (or ``async with``) ends the episode and
+    the socket. Raises :class:`EnvServerError` for ``error`` replies and
+    :class:`EnvClientError` for transport problems.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        *,
+        timeout: float = 60.0,
+        reset_timeout: float = 660.0,
+        open_timeout: float = 10.0,
+    ) -> None:
+        self.url = ws_url(url)
+        self._token = token
+        self.timeout = timeout
+        self.reset_timeout = reset_timeout
+        self.open_timeout = open_timeout
+        self._ws: ClientConnection | None = None
+        self._ids = itertools.count(1)
+        self._lock = asyncio.Lock()
+
+    async def __aenter__(self) -> EnvClient:
+        await self.connect()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def connect(self) -> None:
+        """Open the socket (done by the first call when not called)."""
+        if self._ws is not None:
+            return
+        headers = {"Authorization": f"Bearer {self._token}"} if self._token else None
+        try:
+            self._ws = await websockets.connect(
+                self.url, additional_headers=headers, open_timeout=self.open_timeout
+            )
+        except (OSError, TimeoutError, websockets.InvalidHandshake) as exc:
+            raise EnvClientError(f"cannot connect to {self.url}: {exc}") from exc
+
+    async def reset(
+        self, split: str | None = None, index: int | None = None, *, task_id: str | None = None
+    ) -> ObservationData:
+        """Start an episode on ``split``/``index`` or ``task_id``; the prompt and tools."""
+        data: dict[str, Any] = {"task_id": task_id} if task_id else {"split": split, "index": index}
+        reply = await self._request({"type": "reset", "data": data}, self.reset_timeout)
+        return self._observation(reply)
+
+    async def call_tool(self, name: str, arguments: Any) -> ObservationData:
+        """Call a tool; ``done`` and ``reward`` are set on the call that ends the episode."""
+        message = {"type": "step", "data": {"call_tool": {"name": name, "arguments": arguments}}}
+        return self._observation(await self._request(message, self.timeout))
+
+    async def list_tools(self) -> list[dict[str, Any]]:
+        """The episode's tools in OpenAI's schema, ``end_turn`` included."""
+        reply = await self._request({"type": "step", "data": {"list_tools": {}}}, self.timeout)
+        return self._observation(reply).observation.tools or []
+
+    async def state(self) -> dict[str, Any]:
+        """The episode's state: ids, counters, status and the env's own state under ``env``."""
+        reply = await self._request({"type": "state"}, self.timeout)
+        if not isinstance(reply, StateMessage):
+            raise EnvClientError(f"expected a state reply, got {reply.type!r}")
+        return reply.data
+
+    async def close(self) -> None:
+        """Close the episode and the socket (idempotent; never raises for a dead socket)."""
+        ws, self._ws = self._ws, None
+        if ws is None:
+            return
+        with contextlib.suppress(websockets.ConnectionClosed):
+            await ws.send(json.dumps({"type": "close"}))
+        await ws.close()
+
+    @staticmethod
+    def _observation(reply: ObservationMessage | StateMessage | ErrorMessage) -> ObservationData:
+        if not isinstance(reply, ObservationMessage):
+            raise EnvClientError(f"expected an observation reply, got {reply.type!r}")
+        return reply.data
+
+    async def _request(
+        self, message: dict[str, Any], limit_s: float
+    ) -> ObservationMessage | StateMessage | ErrorMessage:
+        async with self._lock:
+            await self.connect()
+            ws = self._ws
+            assert ws is not None
+            request_id = f"c{next(self._ids)}"
+            try:
+                await ws.send(json.dumps({**message, "request_id": request_id}))
+                async with asyncio.timeout(limit_s):
+                    while True:
+                        reply = self._parse(await ws.recv())
+                        if reply.request_id == request_id:
+                            break
+                        # else: a late reply to an earlier request that timed out; skip it
+            except TimeoutError:
+                raise EnvClientError(
+                    f"no reply to {message['type']!r} within {limit_s:g} s"
+                ) from None
+            except websockets.ConnectionClosed as exc:
+                self._ws = None
+                reason = (
+                    f"code {exc.rcvd.code}: {exc.rcvd.reason}" if exc.rcvd else "no close frame"
+                )
+                raise EnvClientError(f"the server closed the socket ({reason})") from exc
+        if isinstance(reply, ErrorMessage):
+            raise EnvServerError(reply.data)
+        return reply
+
+    @staticmethod
+    def _parse(frame: str | bytes) -> ObservationMessage | StateMessage | ErrorMessage:
+        try:
+            return SERVER_MESSAGE.validate_json(frame)
+        except ValidationError as exc:
+            raise EnvClientError(f"the server sent a malformed message: {exc}") from exc
