@@ -81,6 +81,63 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from corral.envs.server import build_app
+
+    token = _token_from_env(args.token_var, "--token-var")
+    if token is None:
+        print(
+            "corral serve: no --token-var: every route and episode is open to anyone who can "
+            "reach this port",
+            file=sys.stderr,
+        )
+    app = build_app(
+        Path(args.bundle),
+        max_concurrent_envs=args.max_concurrent_envs,
+        token=token,
+        reset_timeout=args.reset_timeout,
+        idle_timeout=args.idle_timeout,
+        tool_timeout=args.tool_timeout,
+    )
+    # uvicorn turns SIGTERM into a graceful shutdown: the app's lifespan closes every live
+    # episode before the process exits.
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=False)
+    return 0
+
+
+def cmd_rows(args: argparse.Namespace) -> int:
+    from rich.progress import Progress
+
+    from corral.adapters.rows import RowsError, RowSettings, write_rows
+
+    token = _token_from_env(args.token_var, "--token-var")
+    settings = RowSettings(
+        max_turns=args.max_turns,
+        tool_timeout=args.tool_timeout,
+        reset_timeout=args.reset_timeout,
+        model_timeout=args.model_timeout,
+        token_var=args.token_var,
+    )
+    with Progress(transient=True) as progress:
+        task = progress.add_task("reading tasks", total=None)
+        try:
+            counts = write_rows(
+                args.url,
+                Path(args.outdir),
+                settings,
+                token=token,
+                progress=lambda done, total: progress.update(task, completed=done, total=total),
+            )
+        except RowsError as exc:
+            print(f"corral rows: {exc}", file=sys.stderr)
+            return 1
+    for name, count in counts.items():
+        print(f"{Path(args.outdir) / name}: {count} rows")
+    return 0
+
+
 def cmd_bundle_validate(args: argparse.Namespace) -> int:
     from corral.envs.bundle import validate_bundle
 
@@ -139,6 +196,44 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--no-imprint", action="store_true", help="random weights only")
     tiny.set_defaults(func=cmd_model_tiny)
+
+    serve = sub.add_parser(
+        "serve",
+        help="serve an env bundle over HTTP + WebSocket",
+        description="Episodes over a WebSocket (OpenEnv's message shapes plus corral's "
+        "extensions), a task API and /metrics. Plain HTTP: put a TLS-terminating proxy in "
+        "front of it to expose it beyond the machine. Sandbox 'local' runs bundle code in this "
+        "process with no isolation (development only); the isolating backends come with the "
+        "sandboxes issue.",
+    )
+    serve.add_argument("bundle", help="the bundle folder")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8200)
+    serve.add_argument(
+        "--token-var", metavar="NAME", help="environment variable holding the bearer token"
+    )
+    serve.add_argument("--max-concurrent-envs", type=int, default=64)
+    serve.add_argument("--reset-timeout", type=float, default=600.0, help="seconds to wait")
+    serve.add_argument("--idle-timeout", type=float, default=600.0, help="reap after idle s")
+    serve.add_argument("--tool-timeout", type=float, default=60.0, help="seconds per call")
+    serve.add_argument("--sandbox", choices=["local"], default="local")
+    serve.set_defaults(func=cmd_serve)
+
+    rows = sub.add_parser(
+        "rows",
+        help="write an env server's tasks as training rows",
+        description="Writes all.jsonl and one file per split: chat messages plus metadata "
+        "(split, index, task id, tools, the server and rollout settings). Rows name the "
+        "token's environment variable, never the token.",
+    )
+    rows.add_argument("url", help="the env server, e.g. http://127.0.0.1:8200")
+    rows.add_argument("outdir")
+    rows.add_argument("--max-turns", type=int, default=4)
+    rows.add_argument("--tool-timeout", type=float, default=60.0)
+    rows.add_argument("--reset-timeout", type=float, default=600.0)
+    rows.add_argument("--model-timeout", type=float, default=600.0)
+    rows.add_argument("--token-var", metavar="NAME", help="environment variable with the token")
+    rows.set_defaults(func=cmd_rows)
 
     bundle = sub.add_parser("bundle", help="env bundles").add_subparsers(
         dest="bundle_command", required=True, metavar="ACTION"
