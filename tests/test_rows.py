@@ -58,9 +58,11 @@ def test_rows_match_the_servers_tasks(bundle, tmp_path: Path) -> None:  # type: 
 def test_unreachable_server_and_refused_token_are_clear_errors(bundle, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(RowsError, match="cannot reach the env server"):
         write_rows(f"http://127.0.0.1:{free_port()}", tmp_path, RowSettings())
-    with serve(build_app(bundle, token=TOKEN)) as url:
-        with pytest.raises(RowsError, match="refused the token in \\$WRONG"):
-            write_rows(url, tmp_path, RowSettings(token_var="WRONG"), token="nope")
+    with (
+        serve(build_app(bundle, token=TOKEN)) as url,
+        pytest.raises(RowsError, match="refused the token in \\$WRONG"),
+    ):
+        write_rows(url, tmp_path, RowSettings(token_var="WRONG"), token="nope")
     assert not list(tmp_path.iterdir())  # nothing half-written
 
 
