@@ -152,9 +152,14 @@ def cmd_bundle_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from corral.run import run_main_job
+    from corral.run import DEFAULT_BUNDLE, run_main_job
 
-    return run_main_job(workdir=Path(args.workdir), episodes=args.episodes, seed=args.seed)
+    bundle = Path(args.bundle) if args.bundle else DEFAULT_BUNDLE
+    if not (bundle / "bundle.toml").exists():
+        raise SystemExit(f"corral run: no bundle at {bundle} (pass --bundle PATH)")
+    return run_main_job(
+        workdir=Path(args.workdir), episodes=args.episodes, seed=args.seed, bundle=bundle
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,14 +172,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser(
         "run",
-        help="the main job on embedded defaults (local engine, gateway, tiny model)",
+        help="the main job on embedded defaults (tiny model, engine, gateway, gridsim server)",
         description="Build the tiny model if needed, start the local engine and the gateway on "
         "127.0.0.1, play tool-calling conversations through the OpenAI SDK, and write the "
-        "recorded samples and drift report under WORKDIR.",
+        "recorded samples and drift report under WORKDIR; then serve the gridsim bundle, "
+        "write its rows and play eval episodes over the WebSocket protocol.",
     )
     run.add_argument("--workdir", default=".corral", help="where models and outputs go")
     run.add_argument("--episodes", type=int, default=4, help="conversations to play")
     run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--bundle", help="env bundle folder (default: the repository's gridsim)")
     run.set_defaults(func=cmd_run)
 
     model = sub.add_parser("model", help="build models").add_subparsers(

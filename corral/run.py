@@ -1,13 +1,20 @@
 """``corral run``: the main job on embedded defaults.
 
-Today: build the tiny model (once, cached under the workdir), start the local engine and the
-gateway on 127.0.0.1, and play tool-calling conversations through the official OpenAI SDK,
-exactly as a black-box agent would, then collect each session's samples and drift report.
-The env server and the trainer join this job as they land (DESIGN.md, "A rollout, end to end").
+Today, two stages on 127.0.0.1:
+
+1. the gateway: build the tiny model (once, cached under the workdir), start the local engine
+   and the gateway, and play tool-calling conversations through the official OpenAI SDK,
+   exactly as a black-box agent would, then collect each session's samples and drift report;
+2. the env server: serve the gridsim bundle, write its tasks as training rows, and play eval
+   episodes over the WebSocket protocol with a scripted idle policy (the bundle's floor, 0.2).
+
+The episode player (model through the gateway against the env server) and the trainer join
+this job as they land (DESIGN.md, "A rollout, end to end").
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 from dataclasses import dataclass
@@ -113,7 +120,43 @@ def _ask(client: Any, messages: list[dict[str, Any]], *, stream: bool) -> dict[s
     return message
 
 
-def run_main_job(*, workdir: Path, episodes: int = 4, seed: int = 0) -> int:
+DEFAULT_BUNDLE = Path(__file__).resolve().parents[1] / "bundles" / "gridsim"
+
+
+async def _idle_episodes(url: str, split: str, count: int) -> list[float | None]:
+    """Play ``count`` tasks of ``split`` submitting an all-idle schedule; their rewards."""
+    from corral.envs.client import EnvClient
+
+    rewards: list[float | None] = []
+    for index in range(count):
+        async with EnvClient(url) as client:
+            await client.reset(split=split, index=index)
+            result = await client.call_tool("submit_schedule", {"schedule": [0] * 24})
+            rewards.append(result.reward)
+    return rewards
+
+
+def run_env_stage(bundle: Path, out: Path, episodes: int, console: Console) -> None:
+    from corral.adapters.rows import RowSettings, write_rows
+    from corral.envs.server import build_app
+    from corral.serving import serve_in_thread
+
+    with serve_in_thread(build_app(bundle)) as url:
+        console.print(f"env server {url} serving {bundle}")
+        counts = write_rows(url, out / "rows", RowSettings())
+        rewards = asyncio.run(_idle_episodes(url, "eval", episodes))
+    console.print(
+        "rows: " + ", ".join(f"{name} {n}" for name, n in counts.items()) + f" in {out / 'rows'}"
+    )
+    console.print(
+        f"{len(rewards)} eval episodes with the idle policy over the WebSocket: rewards "
+        f"{rewards} (the verifier grades idling 0.2)"
+    )
+
+
+def run_main_job(
+    *, workdir: Path, episodes: int = 4, seed: int = 0, bundle: Path = DEFAULT_BUNDLE
+) -> int:
     console = Console()
     console.print("the tiny model: built offline once, then cached")
     model_dir = cached_tiny_model("qwen25", seed=seed, cache_dir=workdir / "models")
@@ -160,4 +203,5 @@ def run_main_job(*, workdir: Path, episodes: int = 4, seed: int = 0) -> int:
         f"{sum(r.reward for r in results) / len(results):.2f}, {forks} forks; "
         f"samples in {out / 'samples.jsonl'}"
     )
+    run_env_stage(bundle, workdir / "runs" / "gridsim", episodes, console)
     return 0
