@@ -82,9 +82,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from corral.envs.server import build_app
+    from corral.envs.server import build_app, run_server
 
     token = _token_from_env(args.token_var, "--token-var")
     if token is None:
@@ -101,9 +99,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         idle_timeout=args.idle_timeout,
         tool_timeout=args.tool_timeout,
     )
-    # uvicorn turns SIGTERM into a graceful shutdown: the app's lifespan closes every live
-    # episode before the process exits.
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=False)
+    # SIGTERM: new episodes are refused, live ones are closed (1001 with a reason) and torn
+    # down, and the process exits 0; the server pings sockets every 20 s.
+    run_server(app, host=args.host, port=args.port, log_level="info", access_log=False)
     return 0
 
 

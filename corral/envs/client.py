@@ -4,6 +4,16 @@ One client is one socket and at most one episode at a time; calls are sequential
 ``asyncio.Lock`` serialises them). Every request carries a fresh ``request_id``; a reply with
 another id (the late answer to a request that timed out) is dropped, so a timeout never makes
 later replies answer the wrong call.
+
+Dropped sockets (the server restarted or shut down, the connection was reset): the next call
+opens a fresh socket instead of failing forever, but an episode never silently moves to it
+(the server closes an episode with its socket). A call that needs the lost episode (a tool
+call, ``list_tools``, ``state``) raises :class:`EpisodeLostError` until the next ``reset``,
+which plays on a fresh socket. A ``reset`` whose socket turns out to be dead is retried once on
+a fresh one (safe: the dead socket's episode is gone anyway).
+
+Keepalive: the client keeps the websockets library's defaults (a ping every 20 s, the socket is
+dropped when no pong comes within 20 s); the server pings too (see :mod:`corral.envs.server`).
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ from typing import Any
 import websockets
 from pydantic import ValidationError
 from websockets.asyncio.client import ClientConnection
+from websockets.protocol import State
 
 from corral.envs.protocol import (
     SERVER_MESSAGE,
@@ -34,6 +45,10 @@ class EnvClientError(Exception):
     a timeout or a reply that breaks the protocol."""
 
 
+class EpisodeLostError(EnvClientError):
+    """The socket dropped while an episode was in progress: the episode is gone; ``reset``."""
+
+
 class EnvServerError(EnvClientError):
     """The server answered ``error``: ``code`` (an ``ErrorCode`` value) and ``data`` (all of
     the error's fields, e.g. ``active`` and ``max`` for ``CAPACITY_REACHED``)."""
@@ -42,6 +57,12 @@ class EnvServerError(EnvClientError):
         super().__init__(f"{data.code.value}: {data.message}")
         self.code = data.code.value
         self.data = data.model_dump(mode="json")
+
+
+# Errors after which the socket has no episode in progress.
+_EPISODE_OVER_CODES = frozenset(
+    {"EPISODE_DONE", "NO_EPISODE", "SESSION_ERROR", "TOOL_TIMEOUT", "EXECUTION_ERROR"}
+)
 
 
 def ws_url(url: str) -> str:
@@ -77,6 +98,10 @@ class EnvClient:
         self.reset_timeout = reset_timeout
         self.open_timeout = open_timeout
         self._ws: ClientConnection | None = None
+        # An episode was started and has not ended: a dropped socket loses it.
+        self._in_episode = False
+        # Why the socket dropped with an episode in progress (None: nothing lost).
+        self._lost: str | None = None
         self._ids = itertools.count(1)
         self._lock = asyncio.Lock()
 
@@ -93,9 +118,11 @@ class EnvClient:
         await self.close()
 
     async def connect(self) -> None:
-        """Open the socket (done by the first call when not called)."""
-        if self._ws is not None:
+        """Open the socket (done by the first call when not called; a dead one is replaced)."""
+        if self._ws is not None and self._ws.state is State.OPEN:
             return
+        if self._ws is not None:
+            self._dropped(self._ws)
         headers = {"Authorization": f"Bearer {self._token}"} if self._token else None
         try:
             self._ws = await websockets.connect(
@@ -132,6 +159,7 @@ class EnvClient:
     async def close(self) -> None:
         """Close the episode and the socket (idempotent; never raises for a dead socket)."""
         ws, self._ws = self._ws, None
+        self._in_episode, self._lost = False, None
         if ws is None:
             return
         with contextlib.suppress(websockets.ConnectionClosed):
@@ -147,32 +175,71 @@ class EnvClient:
     async def _request(
         self, message: dict[str, Any], limit_s: float
     ) -> ObservationMessage | StateMessage | ErrorMessage:
+        is_reset = message["type"] == "reset"
         async with self._lock:
-            await self.connect()
-            ws = self._ws
-            assert ws is not None
-            request_id = f"c{next(self._ids)}"
+            if is_reset:  # a reset replaces the episode: nothing left to lose
+                self._lost, self._in_episode = None, False
+            elif self._ws is not None and self._ws.state is not State.OPEN:
+                self._dropped(self._ws)
+            if self._lost is not None and not is_reset:
+                raise EpisodeLostError(self._lost)
             try:
-                await ws.send(json.dumps({**message, "request_id": request_id}))
-                async with asyncio.timeout(limit_s):
-                    while True:
-                        reply = self._parse(await ws.recv())
-                        if reply.request_id == request_id:
-                            break
-                        # else: a late reply to an earlier request that timed out; skip it
-            except TimeoutError:
-                raise EnvClientError(
-                    f"no reply to {message['type']!r} within {limit_s:g} s"
-                ) from None
+                reply = await self._exchange(message, limit_s)
             except websockets.ConnectionClosed as exc:
-                self._ws = None
-                reason = (
-                    f"code {exc.rcvd.code}: {exc.rcvd.reason}" if exc.rcvd else "no close frame"
-                )
-                raise EnvClientError(f"the server closed the socket ({reason})") from exc
+                if not is_reset:
+                    raise self._closed_error(exc) from exc
+                # A dead socket under a reset: once more on a fresh socket.
+                try:
+                    reply = await self._exchange(message, limit_s)
+                except websockets.ConnectionClosed as again:
+                    raise self._closed_error(again) from again
         if isinstance(reply, ErrorMessage):
+            if reply.data.code.value in _EPISODE_OVER_CODES:
+                self._in_episode = False
             raise EnvServerError(reply.data)
+        if isinstance(reply, ObservationMessage):
+            self._in_episode = not reply.data.done
         return reply
+
+    async def _exchange(
+        self, message: dict[str, Any], limit_s: float
+    ) -> ObservationMessage | StateMessage | ErrorMessage:
+        """Send ``message`` and return its reply (ConnectionClosed passes through)."""
+        await self.connect()
+        ws = self._ws
+        assert ws is not None
+        request_id = f"c{next(self._ids)}"
+        try:
+            await ws.send(json.dumps({**message, "request_id": request_id}))
+            async with asyncio.timeout(limit_s):
+                while True:
+                    reply = self._parse(await ws.recv())
+                    if reply.request_id == request_id:
+                        return reply
+                    # else: a late reply to an earlier request that timed out; skip it
+        except TimeoutError:
+            raise EnvClientError(f"no reply to {message['type']!r} within {limit_s:g} s") from None
+
+    def _closed_error(self, exc: websockets.ConnectionClosed) -> EnvClientError:
+        """Forget the dead socket; the error for the call that found it dead."""
+        reason = f"code {exc.rcvd.code}: {exc.rcvd.reason}" if exc.rcvd else "no close frame"
+        self._dropped(self._ws)
+        if self._lost is not None:
+            return EpisodeLostError(self._lost)
+        return EnvClientError(f"the server closed the socket ({reason}); the next call reconnects")
+
+    def _dropped(self, ws: ClientConnection | None) -> None:
+        """The socket ``ws`` is dead: forget it, and the episode if one was in progress."""
+        if ws is not None and ws is self._ws:
+            self._ws = None
+        if self._in_episode:
+            self._in_episode = False
+            code = ws.close_code if ws is not None else None
+            why = f"code {code}: {ws.close_reason}" if ws is not None and code else "no close frame"
+            self._lost = (
+                f"the episode was lost: the connection to the server dropped ({why}); "
+                "call reset to start a new episode on a fresh socket"
+            )
 
     @staticmethod
     def _parse(frame: str | bytes) -> ObservationMessage | StateMessage | ErrorMessage:

@@ -13,6 +13,17 @@ Env code runs in worker threads (``asyncio.to_thread``) so a slow tool never blo
 loop. A tool call that overruns ``tool_timeout`` is answered with a ``TOOL_TIMEOUT`` error and
 its episode is ended, but the thread itself cannot be killed and runs on until the env code
 returns: really stopping the work comes with the process sandbox backends (issue 4).
+
+Shutdown (SIGTERM): :func:`run_server` runs the app with uvicorn and, before uvicorn's own
+graceful shutdown, calls :meth:`EpisodeManager.shutdown`: new resets are refused (resets waiting
+for capacity too), every live socket is closed with 1001 "going away" and a reason, and every
+episode is torn down; uvicorn then stops within ``timeout_graceful_shutdown``. Under a plain
+``uvicorn.run`` the lifespan's shutdown does the same, but only after uvicorn has closed the
+sockets itself (code 1012, no reason).
+
+Keepalive: the server pings every socket (uvicorn's ``ws_ping_interval`` / ``ws_ping_timeout``,
+20 s / 20 s, passed explicitly by :func:`run_server`) and drops a peer that stops answering,
+which closes its episode.
 """
 
 from __future__ import annotations
@@ -23,12 +34,13 @@ import hmac
 import itertools
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import Response
+from fastapi.websockets import WebSocketState
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
@@ -68,6 +80,13 @@ END_TURN_SCHEMA: dict[str, Any] = {
 }
 # WebSocket close code for a refused token (RFC 6455: policy violation).
 POLICY_VIOLATION = 1008
+# WebSocket close code on shutdown (RFC 6455: going away).
+GOING_AWAY = 1001
+SHUTDOWN_REASON = "the env server is shutting down; the episode is over"
+# Keepalive pings (uvicorn) and the bound on uvicorn's graceful shutdown, used by run_server.
+WS_PING_INTERVAL = 20.0
+WS_PING_TIMEOUT = 20.0
+GRACEFUL_SHUTDOWN_S = 10
 
 
 class ServerError(Exception):
@@ -124,6 +143,7 @@ class Episode:
         self.status = "running"
         self.last_active = time.monotonic()
         self.busy = False  # a step in flight: the reaper leaves the episode alone
+        self.closed_as: str | None = None  # set by the manager: "reaped", "shutdown", ...
 
     def observation(self, content: str = "", **fields: Any) -> EpisodeObservation:
         return EpisodeObservation(
@@ -237,7 +257,9 @@ class EpisodeManager:
     ``reset_timeout`` seconds, then raises ``CAPACITY_REACHED`` with the ``active`` and ``max``
     counts. :meth:`reap_idle` closes episodes idle longer than ``idle_timeout``. Must be used
     from one event loop. ``on_capacity_wait`` (if set) is called each time a reset starts
-    waiting for room: a hook for tests and logs.
+    waiting for room, ``on_reap`` (if set) with each episode the reaper closes: hooks for tests
+    and logs (called on the event loop; keep them short). :meth:`shutdown` refuses new
+    episodes, hangs up every registered socket and closes every episode.
     """
 
     def __init__(
@@ -259,6 +281,9 @@ class EpisodeManager:
         self.tool_timeout = tool_timeout
         self.metrics = metrics
         self.on_capacity_wait: Callable[[], None] | None = None
+        self.on_reap: Callable[[Episode], None] | None = None
+        self.closing = False
+        self._hang_ups: dict[int, Callable[[int, str], Awaitable[None]]] = {}
         self._episodes: dict[str, Episode] = {}
         self._slots = 0  # episodes live or being created; <= max
         self._room = asyncio.Condition()
@@ -288,6 +313,9 @@ class EpisodeManager:
             raise ServerError(
                 ErrorCode.FACTORY_ERROR, f"the env could not start: {type(exc).__name__}: {exc}"
             ) from exc
+        if self.closing:  # shut down while the env was starting
+            await self._give_slot()
+            raise ServerError(ErrorCode.SESSION_ERROR, SHUTDOWN_REASON)
         episode = Episode(f"ep-{next(self._ids)}", self.bundle, task, env)
         self._episodes[episode.id] = episode
         return episode, prompt
@@ -297,12 +325,37 @@ class EpisodeManager:
         if self._episodes.pop(episode.id, None) is None:
             return
         episode.done = True
+        episode.closed_as = status or episode.status
         self.metrics.episodes.labels(status=status or episode.status).inc()
         await self._give_slot()
 
     async def close_all(self) -> None:
         for episode in list(self._episodes.values()):
             await self.close(episode, "shutdown")
+
+    def add_socket(self, key: int, hang_up: Callable[[int, str], Awaitable[None]]) -> None:
+        """Register a live socket's ``hang_up(code, reason)`` for :meth:`shutdown`."""
+        self._hang_ups[key] = hang_up
+
+    def remove_socket(self, key: int) -> None:
+        self._hang_ups.pop(key, None)
+
+    async def shutdown(self) -> None:
+        """Stop for good (idempotent): refuse new episodes and wake resets waiting for room
+        (they get ``SESSION_ERROR``), close every socket with 1001 and a reason, then close
+        every episode."""
+        self.closing = True
+        async with self._room:
+            self._room.notify_all()
+        for hang_up in list(self._hang_ups.values()):
+            with contextlib.suppress(Exception):  # a socket already gone is fine
+                await hang_up(GOING_AWAY, SHUTDOWN_REASON)
+        self._hang_ups.clear()
+        await self.close_all()
+
+    def _refuse_if_closing(self) -> None:
+        if self.closing:
+            raise ServerError(ErrorCode.SESSION_ERROR, SHUTDOWN_REASON)
 
     def is_open(self, episode: Episode) -> bool:
         return episode.id in self._episodes
@@ -317,6 +370,8 @@ class EpisodeManager:
         ]
         for episode in stale:
             await self.close(episode, "reaped")
+            if self.on_reap is not None:
+                self.on_reap(episode)
         return len(stale)
 
     async def reaper(self) -> None:
@@ -327,6 +382,7 @@ class EpisodeManager:
             await self.reap_idle()
 
     async def _take_slot(self) -> None:
+        self._refuse_if_closing()
         async with self._room:
             if self._slots >= self.max:
                 if self.on_capacity_wait is not None:
@@ -334,7 +390,8 @@ class EpisodeManager:
                 self.metrics.waiting.inc()
                 try:
                     await asyncio.wait_for(
-                        self._room.wait_for(lambda: self._slots < self.max), self.reset_timeout
+                        self._room.wait_for(lambda: self._slots < self.max or self.closing),
+                        self.reset_timeout,
                     )
                 except TimeoutError:
                     raise ServerError(
@@ -346,6 +403,7 @@ class EpisodeManager:
                     ) from None
                 finally:
                     self.metrics.waiting.dec()
+            self._refuse_if_closing()
             self._slots += 1
             self.metrics.active.set(self._slots)
 
@@ -449,7 +507,9 @@ class Session:
         episode = self.episode
         if episode is None:
             raise ServerError(ErrorCode.NO_EPISODE, "no episode on this socket; send reset first")
-        if not episode.done and not self.manager.is_open(episode):
+        if episode.closed_as == "shutdown":
+            raise ServerError(ErrorCode.SESSION_ERROR, SHUTDOWN_REASON)
+        if episode.closed_as == "reaped":
             raise ServerError(
                 ErrorCode.SESSION_ERROR,
                 f"the episode was closed after {self.manager.idle_timeout:g} s idle; reset again",
@@ -505,7 +565,7 @@ def build_app(
             reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reaper
-            await manager.close_all()
+            await manager.shutdown()
 
     def require_token(request: Request) -> None:
         if token is not None and not _bearer_ok(request.headers.get("authorization"), token):
@@ -563,7 +623,18 @@ def build_app(
             await websocket.close(POLICY_VIOLATION, "missing or wrong bearer token")
             return
         await websocket.accept()
+        if manager.closing:
+            await websocket.close(GOING_AWAY, SHUTDOWN_REASON)
+            return
         session = Session(manager)
+
+        async def hang_up_socket(code: int, reason: str) -> None:
+            # Checked and sent with no await between: never a send after the close.
+            if websocket.application_state == WebSocketState.CONNECTED:
+                await websocket.close(code, reason)
+
+        key = id(websocket)
+        manager.add_socket(key, hang_up_socket)
         try:
             while True:
                 frame = await websocket.receive()
@@ -573,6 +644,8 @@ def build_app(
                 if text is None:
                     text = (frame.get("bytes") or b"").decode("utf-8", "replace")
                 reply, hang_up = await session.handle(text)
+                if websocket.application_state != WebSocketState.CONNECTED:
+                    break  # hung up by shutdown while the message was handled
                 if reply is not None:
                     await websocket.send_text(reply)
                 if hang_up:
@@ -581,9 +654,75 @@ def build_app(
         except WebSocketDisconnect:
             pass
         finally:
+            manager.remove_socket(key)
             await session.close()
 
     return app
 
 
-__all__ = ["Episode", "EpisodeManager", "ErrorMessage", "Metrics", "ServerError", "build_app"]
+def run_server(
+    app: FastAPI,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8200,
+    log_level: str = "info",
+    access_log: bool = False,
+    timeout_graceful_shutdown: int = GRACEFUL_SHUTDOWN_S,
+    ws_ping_interval: float = WS_PING_INTERVAL,
+    ws_ping_timeout: float = WS_PING_TIMEOUT,
+) -> None:
+    """Run an app from :func:`build_app` with uvicorn until SIGINT / SIGTERM (blocks).
+
+    On the signal, before uvicorn's own graceful shutdown, the app's manager shuts down: new
+    episodes are refused, every socket is closed with 1001 and a reason, every episode is torn
+    down. uvicorn then waits at most ``timeout_graceful_shutdown`` s for requests in flight
+    (e.g. a tool call in a worker thread) before cancelling them. The server pings every
+    socket each ``ws_ping_interval`` s and drops one that does not answer within
+    ``ws_ping_timeout`` s.
+
+    A SIGTERM shutdown is a clean exit: this returns normally (``corral serve`` exits 0),
+    where a bare ``uvicorn.run`` re-raises the signal after shutting down (exit status -15).
+    """
+    import signal
+    import threading
+
+    import uvicorn
+
+    manager: EpisodeManager = app.state.episodes
+
+    class _Server(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            await manager.shutdown()
+            await super().shutdown(sockets=sockets)
+
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=access_log,
+        timeout_graceful_shutdown=timeout_graceful_shutdown,
+        ws_ping_interval=ws_ping_interval,
+        ws_ping_timeout=ws_ping_timeout,
+    )
+    if threading.current_thread() is not threading.main_thread():
+        _Server(config).run()
+        return
+    # uvicorn restores this handler after its shutdown and re-raises the SIGTERM it caught:
+    # a no-op here makes the graceful shutdown the end of it.
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        _Server(config).run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+__all__ = [
+    "Episode",
+    "EpisodeManager",
+    "ErrorMessage",
+    "Metrics",
+    "ServerError",
+    "build_app",
+    "run_server",
+]
