@@ -5,8 +5,9 @@ openenv-core lives in its own venv (its deps may conflict with ours): create it 
 has ``openenv-core`` installed. Without one the test skips.
 
 Wire note: OpenEnv's own ``reset()`` sends ``{"type": "reset", "data": {}}`` (or ``seed`` /
-``episode_id``); corral's server needs a task in the reset data, so the client passes
-``split``/``index`` as reset keyword arguments, which OpenEnv forwards as ``data`` verbatim.
+``episode_id``): the server then plays its default split (``seed`` mod its size, else in
+turn); ``split``/``index`` passed as reset keyword arguments, which OpenEnv forwards as
+``data`` verbatim, name a task.
 """
 
 from __future__ import annotations
@@ -36,7 +37,11 @@ async def main(url):
         action = {"call_tool": {"name": "submit_schedule", "arguments": {"schedule": [0] * 24}}}
         last = await env.step(action)
         state = await env.state()
+        plain = await env.reset()
+        seeded = await env.reset(seed=7, episode_id="mine")
     print(json.dumps({
+        "plain": plain.observation["task_id"],
+        "seeded": seeded.observation["task_id"],
         "reset": {"observation": first.observation, "reward": first.reward, "done": first.done},
         "step": {"observation": last.observation, "reward": last.reward, "done": last.done},
         "state": state,
@@ -92,3 +97,6 @@ def test_openenv_generic_client_plays_a_gridsim_episode() -> None:
 
     assert result["state"]["episode_id"]
     assert result["state"]["done"] is True
+    # OpenEnv's own reset(): the default split, in turn or by seed
+    assert result["plain"] == "train-0000"
+    assert result["seeded"] == "train-0007"

@@ -56,20 +56,31 @@ class _Strict(BaseModel):
 
 
 class ResetData(_Strict):
-    """Which task to play: ``split`` + ``index``, or ``task_id`` (exactly one of the two)."""
+    """Which task to play: ``split`` + ``index``, or ``task_id``, or neither.
+
+    Neither is what OpenEnv's own ``reset()`` sends (optionally with ``seed`` and
+    ``episode_id``): the server then picks a task of its default split, ``seed`` mod the split's
+    size when a seed is given (reproducible), else the next task in turn.
+    """
 
     split: str | None = None
     index: int | None = Field(default=None, ge=0)
     task_id: str | None = None
+    seed: int | None = None
+    episode_id: str | None = None
 
     @model_validator(mode="after")
     def _one_task(self) -> ResetData:
         by_position = self.split is not None or self.index is not None
         if self.task_id is not None and by_position:
             raise ValueError('give either "task_id" or "split" + "index", not both')
-        if self.task_id is None and (self.split is None or self.index is None):
-            raise ValueError('name a task: "split" and "index", or "task_id"')
+        if by_position and (self.split is None or self.index is None):
+            raise ValueError('name a task by both "split" and "index"')
         return self
+
+    @property
+    def names_a_task(self) -> bool:
+        return self.task_id is not None or self.split is not None
 
 
 class CallTool(_Strict):

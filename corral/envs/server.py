@@ -288,6 +288,7 @@ class EpisodeManager:
         self._slots = 0  # episodes live or being created; <= max
         self._room = asyncio.Condition()
         self._ids = itertools.count(1)
+        self._next_task = itertools.count()
 
     @property
     def active(self) -> int:
@@ -297,8 +298,13 @@ class EpisodeManager:
         try:
             if data.task_id is not None:
                 return self.bundle.task_by_id(data.task_id)
-            assert data.split is not None and data.index is not None  # ResetData checks it
-            return self.bundle.task(data.split, data.index)
+            if data.split is not None and data.index is not None:
+                return self.bundle.task(data.split, data.index)
+            # An OpenEnv-style reset names no task: the default split, by seed or in turn.
+            split = "train" if "train" in self.bundle.splits else self.bundle.splits[0]
+            count = len(self.bundle.tasks(split))
+            index = data.seed % count if data.seed is not None else next(self._next_task) % count
+            return self.bundle.task(split, index)
         except TaskNotFound as exc:
             raise ServerError(ErrorCode.TASK_NOT_FOUND, str(exc)) from None
 
