@@ -254,3 +254,25 @@ async def test_idle_episodes_are_reaped(bundle: Bundle) -> None:
     episode.busy = False
     assert await manager.reap_idle(now=time.monotonic() + 60) == 1
     assert manager.active == 0 and not manager.is_open(episode)
+
+
+async def test_build_app_reward_override_and_failing_reward(bundle: Bundle) -> None:
+    """``reward=`` replaces the bundle's combination; one that raises flags the episode."""
+    doubled = build_app(bundle, reward=lambda scores: 2 * scores["grade"])
+    with serve(doubled) as url:
+        async with EnvClient(url) as env:
+            await env.reset(split="eval", index=0)
+            out = await env.call_tool("submit_schedule", {"schedule": [0] * 24})
+    assert out.reward == pytest.approx(0.4) and out.done
+
+    def broken(scores: dict[str, float]) -> float:
+        raise KeyError("no such score")
+
+    with serve(build_app(bundle, reward=broken)) as url:
+        async with EnvClient(url) as env:
+            await env.reset(split="eval", index=0)
+            out = await env.call_tool("submit_schedule", {"schedule": [0] * 24})
+    assert out.reward is None and out.done
+    assert out.observation.status == "error"
+    with pytest.raises(ValueError, match="unknown sandbox 'docker'"):
+        build_app(bundle, sandbox="docker")

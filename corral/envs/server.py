@@ -33,6 +33,7 @@ import contextlib
 import hmac
 import itertools
 import json
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -98,6 +99,13 @@ class ServerError(Exception):
         self.extra = extra
 
 
+# Combines the verifier's named scores into the episode's reward (``build_app(reward=...)``
+# overrides the bundle's ``[reward]``); whatever it raises flags the episode, never a 0.
+RewardFn = Callable[[dict[str, float]], float]
+# "local": bundle code runs in the server process, in worker threads; no isolation.
+SANDBOXES = frozenset({"local"})
+
+
 def task_tools(bundle: Bundle, task: Task) -> list[dict[str, Any]]:
     """The task's tools in OpenAI's schema, ``end_turn`` last (the server provides it)."""
     return [t.openai() for t in bundle.tools_for(task)] + [END_TURN_SCHEMA]
@@ -130,7 +138,15 @@ class Episode:
     tool timeout (``TOOL_TIMEOUT``); the last two end the episode.
     """
 
-    def __init__(self, episode_id: str, bundle: Bundle, task: Task, env: Env) -> None:
+    def __init__(
+        self,
+        episode_id: str,
+        bundle: Bundle,
+        task: Task,
+        env: Env,
+        reward: RewardFn | None = None,
+    ) -> None:
+        self.reward_fn: RewardFn = reward or bundle.reward
         self.id = episode_id
         self.bundle = bundle
         self.task = task
@@ -202,8 +218,10 @@ class Episode:
         try:
             state = await self._run(self.env.state, limit_s=limit_s)
             scores = await self._run(self.bundle.grade, self.task, state, limit_s=limit_s)
-            reward = self.bundle.reward(scores)
-        except (VerifierError, RewardError, ServerError) as exc:
+            reward = float(self.reward_fn(scores))
+            if not math.isfinite(reward):
+                raise RewardError(f"the reward is not a finite number: {reward!r}")
+        except Exception as exc:  # a custom reward function may raise anything: flag it
             self.status = "error"
             return ObservationData(
                 observation=self.observation(content, tool_error=tool_error, error=str(exc)),
@@ -271,10 +289,12 @@ class EpisodeManager:
         idle_timeout: float,
         tool_timeout: float,
         metrics: Metrics,
+        reward: RewardFn | None = None,
     ) -> None:
         if max_concurrent_envs < 1:
             raise ValueError("max_concurrent_envs must be at least 1")
         self.bundle = bundle
+        self.reward = reward
         self.max = max_concurrent_envs
         self.reset_timeout = reset_timeout
         self.idle_timeout = idle_timeout
@@ -322,7 +342,7 @@ class EpisodeManager:
         if self.closing:  # shut down while the env was starting
             await self._give_slot()
             raise ServerError(ErrorCode.SESSION_ERROR, SHUTDOWN_REASON)
-        episode = Episode(f"ep-{next(self._ids)}", self.bundle, task, env)
+        episode = Episode(f"ep-{next(self._ids)}", self.bundle, task, env, self.reward)
         self._episodes[episode.id] = episode
         return episode, prompt
 
@@ -542,6 +562,8 @@ def build_app(
     reset_timeout: float = 600.0,
     idle_timeout: float = 600.0,
     tool_timeout: float = 60.0,
+    reward: RewardFn | None = None,
+    sandbox: str = "local",
 ) -> FastAPI:
     """A FastAPI app serving ``bundle`` (a loaded Bundle or its folder).
 
@@ -551,6 +573,11 @@ def build_app(
     ``Authorization: Bearer <token>``: HTTP answers 401, the socket is closed with 1008
     before any env is created. The manager is at ``app.state.episodes``.
     """
+    if sandbox not in SANDBOXES:
+        raise ValueError(
+            f"unknown sandbox {sandbox!r}: available here {sorted(SANDBOXES)} (the isolating "
+            "backends arrive with corral.sandboxes)"
+        )
     loaded = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
     metrics = Metrics()
     manager = EpisodeManager(
@@ -560,6 +587,7 @@ def build_app(
         idle_timeout=idle_timeout,
         tool_timeout=tool_timeout,
         metrics=metrics,
+        reward=reward,
     )
 
     @contextlib.asynccontextmanager
