@@ -1,0 +1,387 @@
+"""The ``bwrap`` backend: Debian's bubblewrap, one ``bwrap`` invocation per exec.
+
+A sandbox is a host folder (its writable ``workdir``) plus per-sandbox cgroups; every
+:meth:`BwrapSandbox.exec` starts a fresh ``bwrap`` with:
+
+- new user (uid/gid 1000 inside), pid, net, ipc, uts and cgroup namespaces (``--unshare-all``);
+  ``--die-with-parent``, ``--new-session`` (no TIOCSTI into our terminal), ``--cap-drop ALL``;
+- read-only ``/usr`` (+ the ``/bin``, ``/lib``, ``/lib64``, ``/sbin`` symlinks), a minimal
+  read-only ``/etc`` (only what the dynamic loader and Python read; never ``/etc/shadow``),
+  the spec's binds, a private ``/tmp``, fresh ``/proc`` and ``/dev``, the workdir read-write;
+- a seccomp filter built with libseccomp (``pyseccomp``) passed with ``--seccomp FD``: it
+  refuses ``ptrace`` (and its relatives) always, and ``socket(AF_INET|AF_INET6)`` under ``none``;
+- memory, pids (and CPU, if ``spec.cpus``) limits through cgroups v1 at
+  ``/sys/fs/cgroup/{memory,pids,cpu}/corral/<id>``: a tiny ``sh`` wrapper writes its own pid into
+  ``cgroup.procs`` and then execs ``bwrap``, so everything inside is charged. Where the host does
+  not allow that (no v1 hierarchy, no permission), the sandbox is still created, **limits are
+  NOT enforced**, a warning is logged and :attr:`BwrapSandbox.limits_enforced` is ``False``.
+
+Policy ``loopback`` uses ``--share-net``: the sandbox shares the **host's network namespace**.
+It can then reach *every* host loopback service (not only the env server's port) and the
+host's outside network, and services it starts are reachable on the host's 127.0.0.1; only
+the seccomp socket rule is lifted. Use ``none`` for untrusted actions unless the env truly
+needs the network. ``allowlist`` is refused (bwrap has no per-host filter).
+
+Processes do not outlive their exec: each exec is its own pid namespace, killed when its main
+process exits. A timeout SIGKILLs the ``bwrap`` process group; ``--die-with-parent`` then
+takes the namespace's init, and with it every process inside.
+
+Defaults when the spec leaves a limit ``None``: 1024 MB memory, 256 pids, no CPU cap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path, PurePosixPath
+
+from corral.sandboxes.base import (
+    Endpoint,
+    ExecResult,
+    Sandbox,
+    SandboxError,
+    SandboxProvider,
+    SandboxSpec,
+)
+from corral.sandboxes.local import DEFAULT_STATE_DIR, run_tree
+from corral.sandboxes.records import Record, RecordStore
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MEMORY_MB = 1024
+DEFAULT_PIDS = 256
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+UID = 1000
+# Only what ld.so and Python read; the rest of the host's /etc (shadow, ssh keys...) stays out.
+ETC_FILES = (
+    "/etc/alternatives",
+    "/etc/ld.so.cache",
+    "/etc/ld.so.conf",
+    "/etc/ld.so.conf.d",
+    "/etc/localtime",
+    "/etc/python3",
+    "/etc/python3.11",
+)
+_PTRACE_LIKE = ("ptrace", "process_vm_readv", "process_vm_writev")
+
+_filters: dict[bool, bytes] = {}
+
+
+def seccomp_filter(deny_inet: bool) -> bytes:
+    """The BPF program (built by libseccomp, cached): EPERM for ptrace-like calls, and EACCES for
+    ``socket(AF_INET/AF_INET6, ...)`` when ``deny_inet``. Raises :class:`SandboxError` if
+    libseccomp (``pyseccomp`` + ``libseccomp2``) is missing: no filter, no sandbox."""
+    if deny_inet not in _filters:
+        try:
+            import pyseccomp as sc
+        except (ImportError, OSError) as e:
+            raise SandboxError(f"bwrap backend needs pyseccomp and libseccomp2: {e}") from e
+        f = sc.SyscallFilter(sc.ALLOW)
+        for call in _PTRACE_LIKE:
+            f.add_rule(sc.ERRNO(errno.EPERM), call)
+        if deny_inet:
+            for family in (socket.AF_INET, socket.AF_INET6):
+                f.add_rule(sc.ERRNO(errno.EACCES), "socket", sc.Arg(0, sc.EQ, family))
+        with tempfile.TemporaryFile() as t:
+            f.export_bpf(t)
+            t.seek(0)
+            _filters[deny_inet] = t.read()
+    return _filters[deny_inet]
+
+
+def _cg_read(path: Path, key: str) -> int:
+    """Counter ``key`` from a cgroup ``key value`` file (0 when unreadable)."""
+    try:
+        for line in path.read_text().splitlines():
+            k, _, v = line.partition(" ")
+            if k == key:
+                return int(v)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _remove_cgroup(path: Path) -> None:
+    """Kill what is left in cgroup ``path`` and remove it; a missing one is fine."""
+    for _ in range(50):  # a fork bomb may fork between the read and the kill: retry
+        try:
+            pids = [int(p) for p in (path / "cgroup.procs").read_text().split()]
+        except OSError:
+            return
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+    for _ in range(50):
+        try:
+            path.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:  # EBUSY until the killed tasks are reaped
+            time.sleep(0.01)
+
+
+class BwrapSandbox(Sandbox):
+    """One bwrap sandbox (see the module docstring for what is and is not enforced)."""
+
+    def __init__(
+        self,
+        id: str,
+        folder: Path,
+        spec: SandboxSpec,
+        cgroups: dict[str, Path],
+        records: RecordStore,
+        bwrap: str,
+    ) -> None:
+        self.id = id
+        self.folder = folder
+        self.spec = spec
+        self.cgroups = cgroups  # controller -> folder; empty when limits are not enforced
+        self.limits_enforced = {"memory", "pids"} <= set(cgroups)
+        self._records = records
+        self._bwrap = bwrap
+        self._running: set[int] = set()
+
+    def _argv(self, cmd: Sequence[str], env: Mapping[str, str], cwd: str, fd: int) -> list[str]:
+        net = self.spec.network.mode
+        argv = [self._bwrap, "--unshare-all", "--unshare-user"]
+        if net == "loopback":
+            argv.append("--share-net")
+        argv += ["--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+        argv += ["--uid", str(UID), "--gid", str(UID), "--hostname", "sandbox"]
+        argv += ["--ro-bind", "/usr", "/usr"]
+        for link in ("bin", "lib", "lib64", "sbin"):
+            argv += ["--symlink", f"usr/{link}", f"/{link}"]
+        for path in ETC_FILES:
+            argv += ["--ro-bind-try", path, path]
+        argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+        argv += ["--bind", str(self.folder), self.spec.workdir]
+        for b in self.spec.binds:
+            argv += ["--bind" if b.writable else "--ro-bind", str(b.source), b.target]
+        argv += ["--chdir", cwd, "--clearenv"]
+        for k, v in env.items():
+            argv += ["--setenv", k, v]
+        argv += ["--seccomp", str(fd), "--", *cmd]
+        if self.cgroups:
+            # The wrapper joins the cgroups *before* exec'ing bwrap: nothing runs uncharged.
+            procs = [str(p / "cgroup.procs") for p in self.cgroups.values()]
+            join = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; '
+            argv = ["/bin/sh", "-c", join + 'exec "$@"', "sh", *procs, "--", *argv]
+        return argv
+
+    def _counters(self) -> tuple[int, int]:
+        mem, pids = self.cgroups.get("memory"), self.cgroups.get("pids")
+        return (
+            _cg_read(mem / "memory.oom_control", "oom_kill") if mem else 0,
+            _cg_read(pids / "pids.events", "max") if pids else 0,
+        )
+
+    async def exec(
+        self,
+        cmd: Sequence[str],
+        *,
+        timeout: float,  # noqa: ASYNC109
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: bytes | None = None,
+    ) -> ExecResult:
+        """Run ``cmd`` in a fresh bwrap. ``killed``/``reason`` are set when the memory cgroup
+        OOM-killed or the pids limit refused a fork during this exec (concurrent execs of one
+        sandbox share the cgroups, so either may be blamed). Raises :class:`SandboxError` once
+        closed or when bwrap cannot be started."""
+        if self._closing is not None:
+            raise SandboxError(f"sandbox {self.id} is closed")
+        full_env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": self.spec.workdir}
+        full_env |= {"LANG": "C.UTF-8"} | dict(self.spec.env) | dict(env or {})
+        fd = os.memfd_create("corral-seccomp")
+        try:
+            os.write(fd, seccomp_filter(self.spec.network.mode != "loopback"))
+            os.lseek(fd, 0, os.SEEK_SET)
+            before = self._counters()
+            argv = self._argv(cmd, full_env, cwd or self.spec.workdir, fd)
+            try:
+                out = await run_tree(
+                    argv,
+                    timeout=timeout,
+                    env={"PATH": "/usr/bin:/bin"},
+                    cwd=self.folder,
+                    stdin=stdin,
+                    running=self._running,
+                    pass_fds=(fd,),
+                )
+            except OSError as e:
+                raise SandboxError(f"cannot start bwrap for {self.id}: {e}") from e
+        finally:
+            os.close(fd)
+        after = self._counters()
+        reason = None
+        if after[0] > before[0]:
+            reason = "memory limit: OOM-killed"
+        elif after[1] > before[1]:
+            reason = "pids limit: fork refused"
+        return ExecResult(
+            out.exit_code,
+            out.stdout.decode(errors="replace"),
+            out.stderr.decode(errors="replace"),
+            timed_out=out.timed_out,
+            killed=reason is not None,
+            reason=reason,
+        )
+
+    def _host_path(self, path: str) -> Path:
+        p = PurePosixPath(path)
+        if p.is_absolute():
+            try:
+                p = p.relative_to(self.spec.workdir)
+            except ValueError:
+                raise SandboxError(f"{path!r} is outside the workdir {self.spec.workdir}") from None
+        full = (self.folder / p).resolve()  # resolves symlinks the sandbox may have planted
+        if not full.is_relative_to(self.folder.resolve()):
+            raise SandboxError(f"{path!r} escapes the sandbox workdir")
+        return full
+
+    async def write_file(self, path: str, data: bytes) -> None:
+        """Write under the workdir (host side); :class:`SandboxError` for other paths."""
+        target = self._host_path(path)
+        await asyncio.to_thread(target.parent.mkdir, parents=True, exist_ok=True)
+        await asyncio.to_thread(target.write_bytes, data)
+
+    async def read_file(self, path: str) -> bytes:
+        """Read under the workdir; :class:`SandboxError` if missing or outside it."""
+        try:
+            return await asyncio.to_thread(self._host_path(path).read_bytes)
+        except OSError as e:
+            raise SandboxError(f"cannot read {path!r} in {self.id}: {e}") from e
+
+    async def endpoint(self, port: int) -> Endpoint:
+        """Under ``loopback`` the host's 127.0.0.1 (shared network namespace; only while the
+        exec serving it runs). Under ``none`` there is no path in: :class:`SandboxError`."""
+        if self.spec.network.mode != "loopback":
+            raise SandboxError(f"{self.id} has network policy {self.spec.network.mode!r}: no path")
+        return Endpoint("127.0.0.1", port)
+
+    async def _close(self) -> None:
+        await asyncio.to_thread(_destroy, self.folder, list(self.cgroups.values()), self._running)
+        self._records.remove(self.id)
+
+    async def is_alive(self) -> bool:
+        try:
+            return self._closing is None and self.folder.is_dir()
+        except Exception:
+            return False
+
+
+def _destroy(folder: Path, cgroups: list[Path], running: set[int] | None = None) -> None:
+    for pgid in list(running or ()):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+    for cg in cgroups:
+        _remove_cgroup(cg)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+class BwrapProvider(SandboxProvider):
+    """Creates :class:`BwrapSandbox` es; records live in ``state_dir/bwrap``."""
+
+    name = "bwrap"
+
+    def __init__(
+        self,
+        owner: str,
+        state_dir: Path | None = None,
+        *,
+        cgroup_root: Path = CGROUP_ROOT,
+        bwrap: str = "bwrap",
+    ) -> None:
+        self.owner = owner
+        self.records = RecordStore(state_dir or DEFAULT_STATE_DIR, self.name)
+        self.cgroup_root = cgroup_root
+        self.bwrap = bwrap
+
+    def _make_cgroups(self, sid: str, spec: SandboxSpec) -> dict[str, Path]:
+        """Create and configure the cgroups; ``{}`` (limits not enforced) when not allowed."""
+        mem = (spec.memory_mb or DEFAULT_MEMORY_MB) * 2**20
+        limits: dict[str, list[tuple[str, str]]] = {
+            "memory": [("memory.limit_in_bytes", str(mem)), ("memory.swappiness", "0")],
+            "pids": [("pids.max", str(spec.pids or DEFAULT_PIDS))],
+        }
+        if spec.cpus:
+            limits["cpu"] = [
+                ("cpu.cfs_period_us", "100000"),
+                ("cpu.cfs_quota_us", str(int(spec.cpus * 100000))),
+            ]
+        made: dict[str, Path] = {}
+        try:
+            for ctl, settings in limits.items():
+                path = self.cgroup_root / ctl / "corral" / sid
+                path.mkdir(parents=True)
+                made[ctl] = path
+                for name, value in settings:
+                    (path / name).write_text(value)
+            # Also cap swap where the kernel accounts it (memsw files exist only then).
+            memsw = made["memory"] / "memory.memsw.limit_in_bytes"
+            if memsw.exists():
+                with contextlib.suppress(OSError):
+                    memsw.write_text(str(mem))
+        except OSError as e:
+            for path in made.values():
+                _remove_cgroup(path)
+            log.warning("bwrap %s: cgroups unavailable (%s): limits are NOT enforced", sid, e)
+            return {}
+        return made
+
+    async def create(self, spec: SandboxSpec) -> BwrapSandbox:
+        """Record, then make the folder and cgroups. :class:`SandboxError` (nothing left behind)
+        for an ``allowlist`` policy, a ``rootfs`` (not supported yet), a missing ``bwrap`` or
+        libseccomp, or an unusable state folder."""
+        if spec.network.mode == "allowlist":
+            raise SandboxError("bwrap cannot enforce an allowlist network policy")
+        if spec.rootfs is not None:
+            raise SandboxError("bwrap backend: spec.rootfs is not supported yet (host /usr only)")
+        if shutil.which(self.bwrap) is None:
+            raise SandboxError(f"{self.bwrap!r} not found: apt-get install bubblewrap")
+        seccomp_filter(spec.network.mode != "loopback")  # fail now, not at the first exec
+        sid = f"bw-{uuid.uuid4().hex[:12]}"
+        folder = self.records.root / sid
+        cg = {c: str(self.cgroup_root / c / "corral" / sid) for c in ("memory", "pids", "cpu")}
+        try:
+            rec = Record.mine(sid, self.name, self.owner, spec.ttl_s, folder=str(folder), **cg)
+            self.records.write(rec)
+            folder.mkdir(parents=True)
+            cgroups = self._make_cgroups(sid, spec)
+        except OSError as e:
+            _destroy(folder, [])
+            self.records.remove(sid)
+            raise SandboxError(f"cannot create bwrap sandbox: {e}") from e
+        return BwrapSandbox(sid, folder, spec, cgroups, self.records, self.bwrap)
+
+    async def list_owned(self) -> list[str]:
+        owned = self.records.owned(self.owner)
+        return [r.id for r in owned if _exists(r.extra.get("folder", ""))]
+
+    async def sweep(self) -> list[str]:
+        """Remove sandboxes whose owner process died or whose ttl passed: kill what is left in
+        their cgroups, remove the cgroups and the folder, then the record."""
+        gone = []
+        for r in self.records.stale():
+            cgs = [Path(r.extra[c]) for c in ("memory", "pids", "cpu") if c in r.extra]
+            await asyncio.to_thread(_destroy, Path(r.extra.get("folder", "/nonexistent")), cgs)
+            self.records.remove(r.id)
+            gone.append(r.id)
+        return gone
+
+
+def _exists(path: str) -> bool:
+    return bool(path) and os.path.isdir(path)

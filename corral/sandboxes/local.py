@@ -1,0 +1,229 @@
+"""The ``local`` backend: a plain subprocess in a temporary folder.
+
+**NO ISOLATION. FOR DEVELOPMENT ONLY.** Commands run as the server's own user, with its
+network, its view of every file and process on the host, and no resource limits. The sandbox's
+``workdir`` is only a *name* mapped to a temporary folder; nothing stops a command from leaving
+it. Never run untrusted model actions with this backend: use ``bwrap`` or ``docker``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import tempfile
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from corral.sandboxes.base import (
+    Endpoint,
+    ExecResult,
+    Sandbox,
+    SandboxError,
+    SandboxProvider,
+    SandboxSpec,
+)
+from corral.sandboxes.records import Record, RecordStore
+
+DEFAULT_STATE_DIR = Path(tempfile.gettempdir()) / "corral-sandboxes"
+# After a kill, how long to wait for the pipes to drain: a grandchild that left the process
+# group may hold them open, and it must not hang exec.
+_DRAIN_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class RunOutcome:
+    """What :func:`run_tree` saw: exit code (negative signal number if killed), output."""
+
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    timed_out: bool
+
+
+async def run_tree(
+    argv: Sequence[str],
+    *,
+    timeout: float,  # noqa: ASYNC109 -- kills the process group, not just this await
+    env: Mapping[str, str],
+    cwd: str | Path,
+    stdin: bytes | None,
+    running: set[int],
+    pass_fds: tuple[int, ...] = (),
+) -> RunOutcome:
+    """Run ``argv`` as the leader of a new session; on timeout (or cancellation) SIGKILL the
+    whole process group. The leader's pid is in ``running`` while it runs (so a close can kill
+    it). Raises ``OSError`` if ``argv`` cannot be started."""
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=dict(env),
+        cwd=cwd,
+        start_new_session=True,  # its own process group: one killpg reaches the whole tree
+        pass_fds=pass_fds,
+    )
+    running.add(proc.pid)
+    comm = asyncio.ensure_future(proc.communicate(stdin))
+    timed_out = False
+    try:
+        try:
+            out, err = await asyncio.wait_for(asyncio.shield(comm), timeout)
+        except TimeoutError:
+            timed_out = True
+            kill_group(proc.pid)
+            try:
+                out, err = await asyncio.wait_for(asyncio.shield(comm), _DRAIN_S)
+            except TimeoutError:
+                comm.cancel()
+                out, err = b"", b""
+                await proc.wait()
+    except asyncio.CancelledError:
+        kill_group(proc.pid)
+        comm.cancel()
+        raise
+    finally:
+        running.discard(proc.pid)
+    rc = proc.returncode
+    return RunOutcome(rc if rc is not None else -9, out, err, timed_out)
+
+
+def kill_group(pgid: int) -> None:
+    """SIGKILL process group ``pgid``; a group that is already gone is fine."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+class LocalSandbox(Sandbox):
+    """A temporary folder standing in for ``spec.workdir``. **NO ISOLATION** (module doc):
+    commands run on the host as the server's user; this is for development only."""
+
+    def __init__(self, id: str, folder: Path, spec: SandboxSpec, on_close: RecordStore) -> None:
+        self.id = id
+        self.folder = folder
+        self.spec = spec
+        self._records = on_close
+        self._running: set[int] = set()
+
+    def host_path(self, path: str) -> Path:
+        """The host path for ``path`` (absolute under ``workdir``, or relative to it).
+        Raises :class:`SandboxError` for a path that escapes the folder."""
+        p = PurePosixPath(path)
+        if p.is_absolute():
+            try:
+                p = p.relative_to(self.spec.workdir)
+            except ValueError:
+                raise SandboxError(f"{path!r} is outside the workdir {self.spec.workdir}") from None
+        full = (self.folder / p).resolve()
+        if not full.is_relative_to(self.folder.resolve()):
+            raise SandboxError(f"{path!r} escapes the sandbox folder")
+        return full
+
+    async def exec(
+        self,
+        cmd: Sequence[str],
+        *,
+        timeout: float,  # noqa: ASYNC109
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: bytes | None = None,
+    ) -> ExecResult:
+        """Run ``cmd`` on the host in the folder. Raises :class:`SandboxError` once closed or
+        when ``cmd`` cannot be started."""
+        if self._closing is not None or not self.folder.is_dir():
+            raise SandboxError(f"sandbox {self.id} is closed")
+        full_env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(self.folder)}
+        full_env |= dict(self.spec.env) | dict(env or {})
+        try:
+            out = await run_tree(
+                cmd,
+                timeout=timeout,
+                env=full_env,
+                cwd=self.host_path(cwd or self.spec.workdir),
+                stdin=stdin,
+                running=self._running,
+            )
+        except OSError as e:
+            return ExecResult(127, "", f"cannot start {cmd[0]!r}: {e}")
+        return ExecResult(
+            out.exit_code, out.stdout.decode(errors="replace"), out.stderr.decode(errors="replace"),
+            timed_out=out.timed_out,
+        )  # fmt: skip
+
+    async def write_file(self, path: str, data: bytes) -> None:
+        """Write under the folder; :class:`SandboxError` for paths escaping it."""
+        target = self.host_path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(target.write_bytes, data)
+
+    async def read_file(self, path: str) -> bytes:
+        """Read under the folder; :class:`SandboxError` if missing or escaping."""
+        try:
+            return await asyncio.to_thread(self.host_path(path).read_bytes)
+        except OSError as e:
+            raise SandboxError(f"cannot read {path!r} in {self.id}: {e}") from e
+
+    async def endpoint(self, port: int) -> Endpoint:
+        """The host's loopback: a local sandbox shares the host network."""
+        return Endpoint("127.0.0.1", port)
+
+    async def _close(self) -> None:
+        for pgid in list(self._running):
+            kill_group(pgid)
+        await asyncio.to_thread(shutil.rmtree, self.folder, True)
+        self._records.remove(self.id)
+
+    async def is_alive(self) -> bool:
+        try:
+            return self._closing is None and self.folder.is_dir()
+        except Exception:
+            return False
+
+
+def _is_dir(path: str) -> bool:
+    return os.path.isdir(path)
+
+
+class LocalProvider(SandboxProvider):
+    """Creates :class:`LocalSandbox` es. **NO ISOLATION** (see the module docstring)."""
+
+    name = "local"
+
+    def __init__(self, owner: str, state_dir: Path | None = None) -> None:
+        self.owner = owner
+        self.records = RecordStore(state_dir or DEFAULT_STATE_DIR, self.name)
+
+    async def create(self, spec: SandboxSpec) -> LocalSandbox:
+        """A new temporary folder, recorded first. :class:`SandboxError` if it cannot be made
+        (the record is removed again)."""
+        sid = f"lo-{uuid.uuid4().hex[:12]}"
+        folder = self.records.root / sid
+        try:
+            self.records.write(
+                Record.mine(sid, self.name, self.owner, spec.ttl_s, folder=str(folder))
+            )
+            folder.mkdir(parents=True)
+        except OSError as e:
+            self.records.remove(sid)
+            raise SandboxError(f"cannot create local sandbox: {e}") from e
+        return LocalSandbox(sid, folder, spec, self.records)
+
+    async def list_owned(self) -> list[str]:
+        # Records are a few small files: reading them inline is cheaper than a thread hop.
+        owned = self.records.owned(self.owner)
+        return [r.id for r in owned if _is_dir(r.extra["folder"])]
+
+    async def sweep(self) -> list[str]:
+        """Remove folders whose owner died or whose ttl passed. Processes they started are not
+        tracked across a crash (no isolation): only the folder and record go."""
+        gone = []
+        for r in self.records.stale():
+            await asyncio.to_thread(shutil.rmtree, r.extra.get("folder", ""), True)
+            self.records.remove(r.id)
+            gone.append(r.id)
+        return gone
