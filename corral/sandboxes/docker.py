@@ -1,0 +1,530 @@
+"""The ``docker`` backend: one container per sandbox, from the image :mod:`.image` builds.
+
+What each container gets (``DockerProvider.create``):
+
+- the image (default ``corral-sandbox:py3``), ``docker-init`` (tini) as PID 1 reaping orphans,
+  and a keeper ``sleep <ttl_s>``: the container stops by itself once its time to live is over,
+  even when no sweep runs; a stopped container is removed by the next :meth:`sweep`;
+- network ``none`` (policy ``none``): no interface but ``lo``; the host's loopback and every other
+  address are unreachable. The env server talks to code inside through :meth:`DockerSandbox.exec`
+  (and files); :meth:`DockerSandbox.endpoint` refuses with network ``none``;
+- policy ``loopback`` is refused unless the provider was made with ``allow_host_network=True``:
+  then the container shares the *host's* network namespace (``network_mode="host"``), which
+  exposes **every** host port and interface to the sandbox, not only the env server's port.
+  Use it for trusted code only. ``allowlist`` is refused (no enforcement here);
+- limits: ``memory_mb`` (default 1024; swap off: ``memswap_limit`` equal), ``cpus`` (default 1.0,
+  ``nano_cpus``), ``pids`` (default 256), read-only root, ``/tmp`` a 64 MiB tmpfs, the working
+  folder a tmpfs-backed volume of ``disk_mb`` (default 256) so that files can be copied in and
+  out with ``put_archive``/``get_archive`` even with the read-only root;
+- ``cap_drop=["ALL"]``, ``security_opt=["no-new-privileges"]``, its own pid/ipc/uts namespaces
+  (docker's default), no host bind unless ``spec.binds`` asks (read-only unless ``writable``);
+- labels: ``corral.owner``, ``corral.sandbox`` (the name, chosen before the create call), the
+  owner's host, boot id, pid and process start time, the expiry time, and ``spec.labels``.
+  Labels are set atomically with the create call, so a server that crashes between "create
+  requested" and "create answered" leaves a labelled container that :meth:`sweep` removes.
+
+Exec has two timeouts: inside, ``timeout --kill-after=1`` in a session of its own signals the
+command's whole process group; then (or when the exec has not returned ``timeout + 4`` s later)
+the host kills every process of the exec's session (``pkill -KILL -s``), which also ends children
+that moved to a process group of their own. A process that leaves the session
+(``setsid``) escapes the session kill but still dies with the container at ``close``.
+
+Not enforced: ``disk_mb`` outside the working folder (the root is read-only, ``/tmp`` is capped at
+64 MiB), egress policies other than ``none``, seccomp beyond docker's default profile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import io
+import os
+import re
+import shlex
+import socket
+import tarfile
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import PurePosixPath
+from typing import Any
+
+from corral.sandboxes.base import (
+    OWNER_LABEL,
+    SANDBOX_LABEL,
+    Endpoint,
+    ExecResult,
+    Sandbox,
+    SandboxError,
+    SandboxProvider,
+    SandboxSpec,
+)
+from corral.sandboxes.image import DEFAULT_TAG
+
+HOST_LABEL = "corral.host"
+BOOT_LABEL = "corral.boot_id"
+PID_LABEL = "corral.owner_pid"
+START_LABEL = "corral.owner_start"
+EXPIRES_LABEL = "corral.expires"
+
+DEFAULT_MEMORY_MB = 1024
+DEFAULT_CPUS = 1.0
+DEFAULT_PIDS = 256
+DEFAULT_DISK_MB = 256
+TMP_MB = 64
+HOST_GRACE_S = 3.0  # host-side kill this long after the in-sandbox timeout should have fired
+_STATE_DIR = "/tmp/.corral"  # exec bookkeeping inside the sandbox (stdin files)
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown"
+
+
+def _proc_start(pid: int) -> str | None:
+    """A process's start time (clock ticks since boot), or None when it does not exist."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _owner_alive(labels: Mapping[str, str]) -> bool | None:
+    """Whether a container's owner process still runs; None when this host cannot tell
+    (created from another host)."""
+    if labels.get(HOST_LABEL) != socket.gethostname():
+        return None
+    if labels.get(BOOT_LABEL) != _boot_id():
+        return False  # the host rebooted since: the owner is gone
+    try:
+        pid = int(labels.get(PID_LABEL, ""))
+    except ValueError:
+        return None
+    start = _proc_start(pid)
+    return start is not None and start == labels.get(START_LABEL)
+
+
+def _expired(labels: Mapping[str, str], now: float) -> bool:
+    try:
+        return float(labels.get(EXPIRES_LABEL, "inf")) < now
+    except ValueError:
+        return False
+
+
+def _client() -> Any:
+    import docker
+
+    # No per-request read timeout: an exec's output arrives when the command ends.
+    return docker.from_env(timeout=24 * 3600)
+
+
+def _count(text: str, key: str) -> int:
+    total = 0
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0] == key and parts[1].isdigit():
+            total += int(parts[1])
+    return total
+
+
+class DockerSandbox(Sandbox):
+    """One container. Files under the working folder move with ``put_archive``/``get_archive``;
+    other paths (``/tmp``) through exec."""
+
+    def __init__(
+        self, client: Any, container: Any, name: str, spec: SandboxSpec, *, host_net: bool
+    ):
+        self.id = name
+        self._client = client
+        self._container = container
+        self._spec = spec
+        self._host_net = host_net
+        self._oom_seen = 0
+        self._pids_seen = 0
+
+    # -- exec ---------------------------------------------------------------------------------
+
+    async def _raw(self, cmd: list[str], **kw: Any) -> tuple[int, bytes, bytes]:
+        def run() -> tuple[int, bytes, bytes]:
+            res = self._container.exec_run(cmd, demux=True, **kw)
+            out, err = res.output if res.output else (None, None)
+            return int(res.exit_code if res.exit_code is not None else -1), out or b"", err or b""
+
+        try:
+            return await asyncio.to_thread(run)
+        except Exception as e:
+            raise SandboxError(f"docker sandbox {self.id}: exec failed: {e}") from e
+
+    async def _counters(self) -> tuple[int, int]:
+        """(oom kills, pids-limit hits) of the container's cgroups so far (v1 or v2 layout)."""
+        script = (
+            "cat /sys/fs/cgroup/memory/memory.oom_control /sys/fs/cgroup/memory.events "
+            "/sys/fs/cgroup/pids/pids.events /sys/fs/cgroup/pids.events 2>/dev/null; true"
+        )
+        try:
+            _, out, _ = await self._raw(["sh", "-c", script])
+        except SandboxError:
+            return self._oom_seen, self._pids_seen
+        text = out.decode(errors="replace")
+        return _count(text, "oom_kill"), _count(text, "max")
+
+    async def exec(
+        self,
+        cmd: Sequence[str],
+        *,
+        timeout: float,  # noqa: ASYNC109 -- the deadline that kills the process tree inside
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: bytes | None = None,
+    ) -> ExecResult:
+        if not cmd:
+            raise ValueError("exec needs a command")
+        tag = uuid.uuid4().hex[:12]
+        sid_file = f"{_STATE_DIR}/{tag}.sid"
+        redirect = ""
+        if stdin is not None:
+            stdin_file = f"{_STATE_DIR}/{tag}.in"
+            await self._write_via_exec(stdin_file, stdin)
+            redirect = f" < {shlex.quote(stdin_file)}"
+        t = max(float(timeout), 0.001)
+        # A docker exec process leads a session of its own; the shell writes its session id
+        # down for the host-side kill. timeout signals its process group, SIGKILL 1 s later.
+        inner = (
+            f"mkdir -p {_STATE_DIR}; ps -o sid= -p $$ > {sid_file}; "
+            f'exec timeout --kill-after=1 {t:.3f} "$@"{redirect}'
+        )
+        wrapped = ["sh", "-c", inner, "sh", *cmd]
+        started = time.monotonic()
+        task = asyncio.ensure_future(
+            self._raw(
+                wrapped,
+                environment=dict(env or {}),
+                workdir=cwd or self._spec.workdir,
+            )
+        )
+        kill = f"s=$(cat {sid_file} 2>/dev/null) && pkill -KILL -s $s; true"
+        host_killed = False
+        try:
+            try:
+                code, out, err = await asyncio.wait_for(
+                    asyncio.shield(task), t + 1.0 + HOST_GRACE_S
+                )
+            except TimeoutError:
+                host_killed = True
+                with contextlib.suppress(SandboxError):
+                    await self._raw(["sh", "-c", kill])
+                try:
+                    code, out, err = await asyncio.wait_for(asyncio.shield(task), 10.0)
+                except TimeoutError:
+                    task.cancel()
+                    code, out, err = 137, b"", b""
+            elapsed = time.monotonic() - started
+            timed_out = host_killed or code == 124 or (code == 137 and elapsed >= t)
+            if timed_out and not host_killed:
+                # What left timeout's process group (setpgid) is still in the session: kill it.
+                with contextlib.suppress(SandboxError):
+                    await self._raw(["sh", "-c", kill])
+        except BaseException:
+            task.cancel()
+            raise
+        finally:
+            with contextlib.suppress(SandboxError):
+                cleanup = ["rm", "-f", sid_file, f"{_STATE_DIR}/{tag}.in"]
+                await self._raw(cleanup)
+        killed = False
+        reason: str | None = "timeout" if timed_out else None
+        if code != 0 or timed_out:
+            oom, pids = await self._counters()
+            if oom > self._oom_seen:
+                killed, reason = True, "memory"
+            elif pids > self._pids_seen:
+                killed, reason = True, "pids"
+            self._oom_seen, self._pids_seen = oom, pids
+        if killed and reason == "memory" and not await self.is_alive():
+            reason = "memory (the container was OOM-killed)"
+        return ExecResult(
+            exit_code=code,
+            stdout=out.decode(errors="replace"),
+            stderr=err.decode(errors="replace"),
+            timed_out=timed_out,
+            killed=killed,
+            reason=reason,
+        )
+
+    # -- files --------------------------------------------------------------------------------
+
+    def _in_workdir(self, path: str) -> bool:
+        p = PurePosixPath(os.path.normpath(path))
+        return p.is_absolute() and (
+            p == PurePosixPath(self._spec.workdir) or PurePosixPath(self._spec.workdir) in p.parents
+        )
+
+    def _abs(self, path: str) -> str:
+        p = PurePosixPath(path)
+        return str(p if p.is_absolute() else PurePosixPath(self._spec.workdir) / p)
+
+    async def _write_via_exec(self, path: str, data: bytes) -> None:
+        q = shlex.quote(path)
+        code, _, err = await self._raw(["sh", "-c", f'mkdir -p "$(dirname {q})" && : > {q}'])
+        if code != 0:
+            raise SandboxError(f"cannot write {path}: {err.decode(errors='replace').strip()}")
+        chunk = 64 * 1024  # well under the kernel's 128 KiB limit for one argument
+        for i in range(0, len(data), chunk):
+            b64 = base64.b64encode(data[i : i + chunk]).decode()
+            code, _, err = await self._raw(
+                ["sh", "-c", f'printf %s "$1" | base64 -d >> {q}', "sh", b64]
+            )
+            if code != 0:
+                raise SandboxError(f"cannot write {path}: {err.decode(errors='replace').strip()}")
+
+    async def write_file(self, path: str, data: bytes) -> None:
+        path = self._abs(path)
+        if not self._in_workdir(path):
+            await self._write_via_exec(path, data)
+            return
+        parent = str(PurePosixPath(path).parent)
+        code, _, err = await self._raw(["mkdir", "-p", parent])
+        if code != 0:
+            raise SandboxError(f"cannot create {parent}: {err.decode(errors='replace').strip()}")
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            info = tarfile.TarInfo(PurePosixPath(path).name)
+            info.size = len(data)
+            info.mode = 0o644
+            info.mtime = int(time.time())
+            tar.addfile(info, io.BytesIO(data))
+        try:
+            ok = await asyncio.to_thread(self._container.put_archive, parent, buf.getvalue())
+        except Exception as e:
+            raise SandboxError(f"docker sandbox {self.id}: cannot write {path}: {e}") from e
+        if not ok:
+            raise SandboxError(f"docker sandbox {self.id}: cannot write {path}")
+
+    async def read_file(self, path: str) -> bytes:
+        path = self._abs(path)
+        if not self._in_workdir(path):
+            code, out, err = await self._raw(["base64", "-w0", path])
+            if code != 0:
+                raise SandboxError(f"cannot read {path}: {err.decode(errors='replace').strip()}")
+            return base64.b64decode(out)
+
+        def get() -> bytes:
+            stream, _ = self._container.get_archive(path)
+            raw = b"".join(stream)
+            with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
+                member = tar.next()
+                if member is None or not member.isfile():
+                    raise SandboxError(f"{path} is not a regular file")
+                f = tar.extractfile(member)
+                assert f is not None
+                return f.read()
+
+        try:
+            return await asyncio.to_thread(get)
+        except SandboxError:
+            raise
+        except Exception as e:
+            raise SandboxError(f"docker sandbox {self.id}: cannot read {path}: {e}") from e
+
+    # -- the rest -----------------------------------------------------------------------------
+
+    async def endpoint(self, port: int) -> Endpoint:
+        """With host networking: ``127.0.0.1:port`` (the sandbox shares the host's network).
+        With network ``none`` nothing inside is reachable from outside: use :meth:`exec`."""
+        if self._host_net:
+            return Endpoint("127.0.0.1", port)
+        raise SandboxError(
+            f"docker sandbox {self.id} has network 'none': no service inside is reachable; "
+            "talk to it through exec (or use a provider with allow_host_network=True)"
+        )
+
+    async def is_alive(self) -> bool:
+        try:
+            await asyncio.to_thread(self._container.reload)
+            return bool(self._container.status == "running")
+        except BaseException:
+            return False
+
+    async def _close(self) -> None:
+        await asyncio.to_thread(_remove, self._client, self.id)
+
+
+def _remove(client: Any, name: str) -> None:
+    """Remove the container and its working-folder volume; absent ones are fine."""
+    import docker.errors
+
+    try:
+        client.api.remove_container(name, force=True, v=True)
+    except docker.errors.NotFound:
+        pass
+    except docker.errors.APIError as e:
+        if "is already in progress" not in str(e):
+            raise
+    for _ in range(50):
+        try:
+            client.api.remove_volume(name, force=True)
+            return
+        except docker.errors.NotFound:
+            return
+        except docker.errors.APIError as e:  # still in use while the removal finishes
+            if "in use" not in str(e):
+                raise
+            time.sleep(0.1)
+
+
+_SAFE = re.compile(r"[^a-zA-Z0-9_.-]")
+
+
+class DockerProvider(SandboxProvider):
+    """Docker sandboxes labelled with ``owner``. ``client``: a ``docker.DockerClient`` (default:
+    from the environment, ``DOCKER_HOST``). ``allow_host_network``: map policy ``loopback`` to
+    host networking (exposes all host ports; see the module docstring)."""
+
+    name = "docker"
+
+    def __init__(
+        self,
+        owner: str,
+        *,
+        client: Any = None,
+        image: str = DEFAULT_TAG,
+        allow_host_network: bool = False,
+    ):
+        self.owner = owner
+        self._client = client
+        self.image = image
+        self.allow_host_network = allow_host_network
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            self._client = _client()
+        return self._client
+
+    def _labels(self, name: str, spec: SandboxSpec) -> dict[str, str]:
+        pid = os.getpid()
+        labels = dict(spec.labels)
+        labels.update(
+            {
+                OWNER_LABEL: self.owner,
+                SANDBOX_LABEL: name,
+                HOST_LABEL: socket.gethostname(),
+                BOOT_LABEL: _boot_id(),
+                PID_LABEL: str(pid),
+                START_LABEL: _proc_start(pid) or "",
+            }
+        )
+        if spec.ttl_s is not None:
+            labels[EXPIRES_LABEL] = f"{time.time() + spec.ttl_s:.3f}"
+        return labels
+
+    async def create(self, spec: SandboxSpec) -> Sandbox:
+        if spec.rootfs is not None:
+            raise SandboxError("the docker backend runs images; spec.rootfs is for bwrap")
+        mode = spec.network.mode
+        if mode == "allowlist":
+            raise SandboxError("the docker backend cannot enforce an allowlist network policy")
+        if mode == "loopback" and not self.allow_host_network:
+            raise SandboxError(
+                "the docker backend cannot limit a sandbox to the env server's port; "
+                "make the provider with allow_host_network=True to share the host's network"
+            )
+        host_net = mode == "loopback"
+        name = f"corral-{_SAFE.sub('_', self.owner)[:40]}-{uuid.uuid4().hex[:12]}"
+        labels = self._labels(name, spec)
+        try:
+            container = await asyncio.to_thread(self._create, name, spec, labels, host_net)
+        except BaseException as e:
+            # Whatever was made is labelled; remove it now (a crash here leaves it to sweep).
+            with contextlib.suppress(Exception):
+                await asyncio.shield(asyncio.to_thread(_remove, self.client, name))
+            if isinstance(e, Exception):
+                raise SandboxError(f"docker sandbox could not be created: {e}") from e
+            raise
+        return DockerSandbox(self.client, container, name, spec, host_net=host_net)
+
+    def _create(self, name: str, spec: SandboxSpec, labels: dict[str, str], host_net: bool) -> Any:
+        from docker.types import Mount
+
+        client = self.client
+        disk = spec.disk_mb or DEFAULT_DISK_MB
+        client.volumes.create(
+            name=name,
+            driver="local",
+            driver_opts={"type": "tmpfs", "device": "tmpfs", "o": f"size={disk}m,mode=1777"},
+            labels=labels,
+        )
+        mounts = [Mount(target=spec.workdir, source=name, type="volume")]
+        for b in spec.binds:
+            mounts.append(
+                Mount(target=b.target, source=str(b.source), type="bind", read_only=not b.writable)
+            )
+        memory = f"{spec.memory_mb or DEFAULT_MEMORY_MB}m"
+        keeper = ["sleep", str(int(spec.ttl_s) + 1) if spec.ttl_s is not None else "infinity"]
+        container = client.containers.create(
+            self.image,
+            command=keeper,
+            name=name,
+            hostname="sandbox",
+            labels=labels,
+            environment=dict(spec.env),
+            working_dir=spec.workdir,
+            network_mode="host" if host_net else "none",
+            mem_limit=memory,
+            memswap_limit=memory,
+            nano_cpus=int((spec.cpus or DEFAULT_CPUS) * 1e9),
+            pids_limit=spec.pids or DEFAULT_PIDS,
+            read_only=True,
+            tmpfs={"/tmp": f"rw,nosuid,nodev,exec,size={TMP_MB}m,mode=1777"},
+            mounts=mounts,
+            cap_drop=["ALL"],
+            security_opt=["no-new-privileges"],
+            init=True,
+            auto_remove=False,
+            detach=True,
+        )
+        container.start()
+        return container
+
+    async def list_owned(self) -> list[str]:
+        def run() -> list[str]:
+            found = self.client.containers.list(
+                all=True, filters={"label": f"{OWNER_LABEL}={self.owner}"}
+            )
+            return sorted(c.name for c in found)
+
+        return await asyncio.to_thread(run)
+
+    async def sweep(self) -> list[str]:
+        """Remove corral containers (and their volumes) whose owner process is gone (same host:
+        pid + start time + boot id), that outlived their ``corral.expires`` label, or that
+        stopped; any owner's, not only this provider's."""
+
+        def run() -> list[str]:
+            now = time.time()
+            client = self.client
+            gone: set[str] = set()
+            for c in client.containers.list(all=True, filters={"label": OWNER_LABEL}):
+                labels = c.labels or {}
+                if (
+                    _owner_alive(labels) is False
+                    or _expired(labels, now)
+                    or c.status in ("exited", "dead")
+                ):
+                    _remove(client, c.name)
+                    gone.add(c.name)
+            for v in client.volumes.list(filters={"label": OWNER_LABEL}):
+                labels = v.attrs.get("Labels") or {}
+                if v.name not in gone and (_owner_alive(labels) is False or _expired(labels, now)):
+                    with contextlib.suppress(Exception):
+                        _remove(client, v.name)
+                        gone.add(v.name)
+            return sorted(gone)
+
+        return await asyncio.to_thread(run)
