@@ -43,7 +43,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from corral.sandboxes.base import (
     Endpoint,
@@ -53,7 +53,7 @@ from corral.sandboxes.base import (
     SandboxProvider,
     SandboxSpec,
 )
-from corral.sandboxes.local import DEFAULT_STATE_DIR, run_tree
+from corral.sandboxes.local import DEFAULT_STATE_DIR, HostFolderFiles, run_tree
 from corral.sandboxes.records import Record, RecordStore
 
 log = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ def _remove_cgroup(path: Path) -> None:
             time.sleep(0.01)
 
 
-class BwrapSandbox(Sandbox):
+class BwrapSandbox(HostFolderFiles, Sandbox):
     """One bwrap sandbox (see the module docstring for what is and is not enforced)."""
 
     def __init__(
@@ -239,31 +239,6 @@ class BwrapSandbox(Sandbox):
             killed=reason is not None,
             reason=reason,
         )
-
-    def _host_path(self, path: str) -> Path:
-        p = PurePosixPath(path)
-        if p.is_absolute():
-            try:
-                p = p.relative_to(self.spec.workdir)
-            except ValueError:
-                raise SandboxError(f"{path!r} is outside the workdir {self.spec.workdir}") from None
-        full = (self.folder / p).resolve()  # resolves symlinks the sandbox may have planted
-        if not full.is_relative_to(self.folder.resolve()):
-            raise SandboxError(f"{path!r} escapes the sandbox workdir")
-        return full
-
-    async def write_file(self, path: str, data: bytes) -> None:
-        """Write under the workdir (host side); :class:`SandboxError` for other paths."""
-        target = self._host_path(path)
-        await asyncio.to_thread(target.parent.mkdir, parents=True, exist_ok=True)
-        await asyncio.to_thread(target.write_bytes, data)
-
-    async def read_file(self, path: str) -> bytes:
-        """Read under the workdir; :class:`SandboxError` if missing or outside it."""
-        try:
-            return await asyncio.to_thread(self._host_path(path).read_bytes)
-        except OSError as e:
-            raise SandboxError(f"cannot read {path!r} in {self.id}: {e}") from e
 
     async def endpoint(self, port: int) -> Endpoint:
         """Under ``loopback`` the host's 127.0.0.1 (shared network namespace; only while the

@@ -99,7 +99,44 @@ def kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
-class LocalSandbox(Sandbox):
+class HostFolderFiles:
+    """``write_file``/``read_file`` for sandboxes whose workdir is a folder on the host (local,
+    bwrap): files go straight to the folder, never through an exec."""
+
+    id: str
+    folder: Path
+    spec: SandboxSpec
+
+    def host_path(self, path: str) -> Path:
+        """The host path for ``path`` (absolute under ``workdir``, or relative to it).
+        Raises :class:`SandboxError` for a path that escapes the folder, symlinks the sandbox
+        may have planted included (the path is resolved before the check)."""
+        p = PurePosixPath(path)
+        if p.is_absolute():
+            try:
+                p = p.relative_to(self.spec.workdir)
+            except ValueError:
+                raise SandboxError(f"{path!r} is outside the workdir {self.spec.workdir}") from None
+        full = (self.folder / p).resolve()
+        if not full.is_relative_to(self.folder.resolve()):
+            raise SandboxError(f"{path!r} escapes the sandbox workdir")
+        return full
+
+    async def write_file(self, path: str, data: bytes) -> None:
+        """Write under the workdir (parents created); :class:`SandboxError` for other paths."""
+        target = self.host_path(path)
+        await asyncio.to_thread(target.parent.mkdir, parents=True, exist_ok=True)
+        await asyncio.to_thread(target.write_bytes, data)
+
+    async def read_file(self, path: str) -> bytes:
+        """Read under the workdir; :class:`SandboxError` if missing or outside it."""
+        try:
+            return await asyncio.to_thread(self.host_path(path).read_bytes)
+        except OSError as e:
+            raise SandboxError(f"cannot read {path!r} in {self.id}: {e}") from e
+
+
+class LocalSandbox(HostFolderFiles, Sandbox):
     """A temporary folder standing in for ``spec.workdir``. **NO ISOLATION** (module doc):
     commands run on the host as the server's user; this is for development only."""
 
@@ -109,20 +146,6 @@ class LocalSandbox(Sandbox):
         self.spec = spec
         self._records = on_close
         self._running: set[int] = set()
-
-    def host_path(self, path: str) -> Path:
-        """The host path for ``path`` (absolute under ``workdir``, or relative to it).
-        Raises :class:`SandboxError` for a path that escapes the folder."""
-        p = PurePosixPath(path)
-        if p.is_absolute():
-            try:
-                p = p.relative_to(self.spec.workdir)
-            except ValueError:
-                raise SandboxError(f"{path!r} is outside the workdir {self.spec.workdir}") from None
-        full = (self.folder / p).resolve()
-        if not full.is_relative_to(self.folder.resolve()):
-            raise SandboxError(f"{path!r} escapes the sandbox folder")
-        return full
 
     async def exec(
         self,
@@ -154,19 +177,6 @@ class LocalSandbox(Sandbox):
             out.exit_code, out.stdout.decode(errors="replace"), out.stderr.decode(errors="replace"),
             timed_out=out.timed_out,
         )  # fmt: skip
-
-    async def write_file(self, path: str, data: bytes) -> None:
-        """Write under the folder; :class:`SandboxError` for paths escaping it."""
-        target = self.host_path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        await asyncio.to_thread(target.write_bytes, data)
-
-    async def read_file(self, path: str) -> bytes:
-        """Read under the folder; :class:`SandboxError` if missing or escaping."""
-        try:
-            return await asyncio.to_thread(self.host_path(path).read_bytes)
-        except OSError as e:
-            raise SandboxError(f"cannot read {path!r} in {self.id}: {e}") from e
 
     async def endpoint(self, port: int) -> Endpoint:
         """The host's loopback: a local sandbox shares the host network."""
