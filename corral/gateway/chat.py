@@ -278,6 +278,7 @@ class ChatService:
                     list(res.meta_info.output_top_logprobs),
                     finish,
                     res.meta_info.weight_version,
+                    self._decode(ids),
                 )
             )
         response = ChatCompletion(
@@ -308,9 +309,13 @@ class ChatService:
         top: list[list[LogprobEntry] | None],
         finish: FinishReason,
         weight_version: str,
+        generated: str,
+        call_ids: Sequence[str] = (),
     ) -> ChoiceOutput:
-        text = call.prefill + _trim_stop(self._decode(ids), finish)
-        message, errors = self._message(call, text)
+        """One finished choice: ``generated`` is the decoded output (stop string not yet
+        trimmed); ``call_ids`` are tool-call ids already streamed to the client, reused."""
+        text = call.prefill + _trim_stop(generated, finish)
+        message, errors = self._message(call, text, call_ids)
         return ChoiceOutput(
             index=index,
             rid=rid,
@@ -613,19 +618,17 @@ class _ChoiceStream:
 
     def close(self) -> ChoiceOutput:
         assert self.finish is not None
-        text = self.call.prefill + _trim_stop(self.text, self.finish)
-        message, errors = self.service._message(self.call, text, self.call_ids)
-        return ChoiceOutput(
-            index=self.index,
-            rid=self.rid,
-            output_ids=self.ids,
-            logprobs=self.logprobs,
-            top_logprobs=self.top,
-            finish=self.finish,
-            weight_version=self.weight_version,
-            message=message,
-            finish_reason=_finish_reason(self.finish, bool(message.tool_calls)),
-            parser_errors=errors,
+        return self.service._finish_choice(
+            self.call,
+            self.index,
+            self.rid,
+            self.ids,
+            self.logprobs,
+            self.top,
+            self.finish,
+            self.weight_version,
+            self.text,
+            self.call_ids,
         )
 
 
