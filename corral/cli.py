@@ -25,9 +25,15 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
-def _token_from_env(var: str | None, what: str) -> str | None:
-    """Secrets come from the environment variable a flag names, never from the command line."""
+def _token_from_env(var: str | None, what: str, *, open_warning: str | None = None) -> str | None:
+    """Secrets come from the environment variable a flag names, never from the command line.
+
+    With no variable named, ``open_warning`` (what is left open) goes to stderr; a variable
+    named but unset or empty exits with a message.
+    """
     if var is None:
+        if open_warning is not None:
+            print(f"corral: no {what}: {open_warning}", file=sys.stderr)
         return None
     token = os.environ.get(var)
     if not token:
@@ -57,13 +63,11 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
     from corral.gateway.server import create_gateway
 
-    admin_token = _token_from_env(args.admin_token_var, "--admin-token-var")
-    if admin_token is None:
-        print(
-            "corral gateway: no --admin-token-var: session management is open to anyone who "
-            "can reach this port",
-            file=sys.stderr,
-        )
+    admin_token = _token_from_env(
+        args.admin_token_var,
+        "--admin-token-var",
+        open_warning="session management is open to anyone who can reach this port",
+    )
     app = create_gateway(
         args.engine_url,
         args.model,
@@ -84,13 +88,11 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from corral.envs.server import build_app, run_server
 
-    token = _token_from_env(args.token_var, "--token-var")
-    if token is None:
-        print(
-            "corral serve: no --token-var: every route and episode is open to anyone who can "
-            "reach this port",
-            file=sys.stderr,
-        )
+    token = _token_from_env(
+        args.token_var,
+        "--token-var",
+        open_warning="every route and episode is open to anyone who can reach this port",
+    )
     app = build_app(
         Path(args.bundle),
         max_concurrent_envs=args.max_concurrent_envs,
