@@ -5,7 +5,11 @@ Run: ``python bench/sandboxes.py [--starts 30] [--execs 100] [--docker]``.
 Per backend, measured in one run against ``local`` (a plain subprocess) as the baseline:
 - start: ``create`` plus the first ``true`` exec, p50 / p99;
 - exec: round trip of ``true`` in a started sandbox, p50 / p99;
-- hand-over: ``WarmPool.acquire()`` of a sandbox that is already started, p50.
+- hand-over: ``WarmPool.acquire()`` of a sandbox that is already started, p50;
+- env start: what an episode of gridsim waits for before its reset when served with
+  ``--sandbox``: a sandbox, the env runner started in it and the env class loaded, p50;
+- tool call: one gridsim ``simulate_schedule`` through the runner, p50, against the same call
+  on the env in the server's process (``in-process`` row, the baseline of this column).
 Targets on the 2-core machine: bwrap start under 50 ms, docker under 1.5 s, hand-over under
 5 ms. ``--docker`` adds the docker backend (needs a reachable daemon, ``DOCKER_HOST``).
 """
@@ -17,13 +21,18 @@ import asyncio
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from corral.envs.bundle import Bundle, load_bundle
+from corral.envs.hosting import EnvHost, InProcessHost, SandboxHost
 from corral.sandboxes.base import SandboxProvider, SandboxSpec
 from corral.sandboxes.pool import WarmPool
+
+GRIDSIM = Path(__file__).resolve().parent.parent / "bundles" / "gridsim"
 
 Factory = Callable[[], SandboxProvider]
 
@@ -65,6 +74,10 @@ async def measure(make: Factory, starts: int, execs: int, progress: Progress) ->
         await box.close()
         progress.advance(task)
     await pool.aclose()
+    bundle = load_bundle(GRIDSIM)
+    env_start, tool_call = await measure_env(
+        SandboxHost(bundle, provider, SandboxSpec(workdir="/work")), bundle, starts, execs
+    )
     await provider.sweep()
     return {
         "start_p50": statistics.median(start),
@@ -72,7 +85,34 @@ async def measure(make: Factory, starts: int, execs: int, progress: Progress) ->
         "exec_p50": statistics.median(round_trip),
         "exec_p99": pct(round_trip, 0.99),
         "hand_over_p50": statistics.median(hand_over),
+        "env_start_p50": env_start,
+        "tool_call_p50": tool_call,
     }
+
+
+async def measure_env(
+    host: EnvHost, bundle: Bundle, starts: int, calls: int
+) -> tuple[float, float]:
+    """(env start p50, tool call p50) of gridsim on ``host``."""
+    await host.open()
+    task = bundle.task("eval", 0)
+    start, call = [], []
+    try:
+        for i in range(starts):
+            t0 = time.perf_counter()
+            env = await host.start()
+            start.append(time.perf_counter() - t0)
+            await env.reset(task)
+            if i == 0:
+                for _ in range(calls):
+                    t0 = time.perf_counter()
+                    out = await env.call_tool("simulate_schedule", {"schedule": [0] * 24})
+                    call.append(time.perf_counter() - t0)
+                    assert not out.error, out
+            await env.close()
+    finally:
+        await host.aclose()
+    return statistics.median(start), statistics.median(call)
 
 
 def main() -> int:
@@ -81,7 +121,7 @@ def main() -> int:
     parser.add_argument("--execs", type=int, default=100)
     parser.add_argument("--docker", action="store_true", help="include the docker backend")
     args = parser.parse_args()
-    console = Console()
+    console = Console(width=150)
 
     from corral.sandboxes.bwrap import BwrapProvider
     from corral.sandboxes.local import LocalProvider
@@ -99,6 +139,8 @@ def main() -> int:
     with Progress(console=console, transient=True) as progress:
         for name, make in backends:
             results[name] = asyncio.run(measure(make, args.starts, args.execs, progress))
+    bundle = load_bundle(GRIDSIM)
+    _, in_process = asyncio.run(measure_env(InProcessHost(bundle), bundle, 1, args.execs))
 
     table = Table(title="sandbox backends (ms; local is the baseline)")
     for col in (
@@ -109,6 +151,9 @@ def main() -> int:
         "exec p50",
         "exec p99",
         "hand-over p50",
+        "env start p50",
+        "tool call p50",
+        "vs in-process",
     ):
         table.add_column(col, justify="right")
     base = results["local"]["start_p50"]
@@ -121,7 +166,11 @@ def main() -> int:
             f"{1e3 * r['exec_p50']:.1f}",
             f"{1e3 * r['exec_p99']:.1f}",
             f"{1e3 * r['hand_over_p50']:.3f}",
+            f"{1e3 * r['env_start_p50']:.1f}",
+            f"{1e3 * r['tool_call_p50']:.2f}",
+            f"{r['tool_call_p50'] / in_process:.1f}x",
         )
+    table.add_row("in-process", *[""] * 7, f"{1e3 * in_process:.2f}", "1.0x")
     console.print(table)
     return 0
 

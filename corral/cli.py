@@ -14,6 +14,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from corral.sandboxes.base import SandboxError
+from corral.sandboxes.providers import BACKENDS
+
 
 def _json_object(text: str) -> dict[str, Any]:
     try:
@@ -93,14 +96,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "--token-var",
         open_warning="every route and episode is open to anyone who can reach this port",
     )
-    app = build_app(
-        Path(args.bundle),
-        max_concurrent_envs=args.max_concurrent_envs,
-        token=token,
-        reset_timeout=args.reset_timeout,
-        idle_timeout=args.idle_timeout,
-        tool_timeout=args.tool_timeout,
-    )
+    try:
+        app = build_app(
+            Path(args.bundle),
+            max_concurrent_envs=args.max_concurrent_envs,
+            token=token,
+            reset_timeout=args.reset_timeout,
+            idle_timeout=args.idle_timeout,
+            tool_timeout=args.tool_timeout,
+            sandbox=args.sandbox,
+            sandbox_image=args.sandbox_image,
+            warm_sandboxes=args.warm_sandboxes,
+        )
+    except (ValueError, SandboxError) as exc:
+        print(f"corral serve: {exc}", file=sys.stderr)
+        return 2
     # SIGTERM: new episodes are refused, live ones are closed (1001 with a reason) and torn
     # down, and the process exits 0; the server pings sockets every 20 s.
     run_server(app, host=args.host, port=args.port, log_level="info", access_log=False)
@@ -209,9 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve an env bundle over HTTP + WebSocket",
         description="Episodes over a WebSocket (OpenEnv's message shapes plus corral's "
         "extensions), a task API and /metrics. Plain HTTP: put a TLS-terminating proxy in "
-        "front of it to expose it beyond the machine. Sandbox 'local' runs bundle code in this "
-        "process with no isolation (development only); the isolating backends come with the "
-        "sandboxes issue.",
+        "front of it to expose it beyond the machine. Without --sandbox a bundle that needs "
+        "none runs in this process. With --sandbox every episode's env runs in a sandbox of "
+        "its own: bwrap (namespaces, seccomp, cgroup limits) or docker (a container, network "
+        "none) isolate it; kubernetes and e2b run it remotely; 'local' is a plain subprocess "
+        "in a temporary folder with NO isolation, for development only. The verifier always "
+        "runs in this process.",
     )
     serve.add_argument("bundle", help="the bundle folder")
     serve.add_argument("--host", default="127.0.0.1")
@@ -223,7 +236,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--reset-timeout", type=float, default=600.0, help="seconds to wait")
     serve.add_argument("--idle-timeout", type=float, default=600.0, help="reap after idle s")
     serve.add_argument("--tool-timeout", type=float, default=60.0, help="seconds per call")
-    serve.add_argument("--sandbox", choices=["local"], default="local")
+    serve.add_argument(
+        "--sandbox",
+        choices=list(BACKENDS),
+        default=None,
+        help="run each episode's env in a sandbox of this backend ('local': NO isolation)",
+    )
+    serve.add_argument(
+        "--sandbox-image", metavar="IMAGE", help="docker/kubernetes image or e2b template"
+    )
+    serve.add_argument(
+        "--warm-sandboxes", type=int, default=0, metavar="N", help="keep N sandboxes started"
+    )
     serve.set_defaults(func=cmd_serve)
 
     rows = sub.add_parser(

@@ -1,10 +1,25 @@
-"""Shared fixtures: the tiny chat models, built offline (cached across runs by source hash)."""
+"""Shared fixtures: the tiny chat models, built offline (cached across runs by source hash),
+and a docker daemon with the sandbox image.
+
+The daemon: ``DOCKER_HOST`` when set; otherwise a private one that this session starts with
+``scripts/dockerd.sh`` in ``CORRAL_DOCKERD_DIR`` (default ``/tmp/corral-dockerd``, a stable folder
+so that the image built into its data-root is reused by later runs) and stops at the end. The
+image (``corral-sandbox:py3``) is built once (about 50 s) and then found by its input-hash label.
+Tests skip, saying why, only when no daemon can be reached or started.
+"""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SANDBOX_IMAGE = "corral-sandbox:py3"
 
 
 @pytest.fixture(scope="session")
@@ -21,3 +36,44 @@ def tiny_think_model_dir() -> Path:
     from corral.engines.tiny_model import cached_tiny_model
 
     return cached_tiny_model("qwen3")
+
+
+def _reachable() -> bool:
+    try:
+        import docker
+
+        docker.from_env(timeout=5).ping()
+        return True
+    except Exception:
+        return False
+
+
+@pytest.fixture(scope="session")
+def docker_daemon() -> Iterator[None]:
+    try:
+        import docker  # noqa: F401
+    except ImportError:
+        pytest.skip("the docker SDK is not installed (pip install docker)")
+    started: Path | None = None
+    if not os.environ.get("DOCKER_HOST") or not _reachable():
+        if shutil.which("dockerd") is None or os.geteuid() != 0:
+            pytest.skip("no docker daemon reachable and cannot start one (needs dockerd and root)")
+        folder = Path(os.environ.get("CORRAL_DOCKERD_DIR", "/tmp/corral-dockerd"))
+        proc = subprocess.run(
+            ["bash", str(ROOT / "scripts" / "dockerd.sh"), "start", str(folder)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if proc.returncode != 0:
+            pytest.skip(f"could not start dockerd: {proc.stderr.strip()[-500:]}")
+        os.environ["DOCKER_HOST"] = proc.stdout.strip().split("=", 1)[1]
+        started = folder
+    if not _reachable():
+        pytest.skip(f"no docker daemon answers at {os.environ.get('DOCKER_HOST')}")
+    from corral.sandboxes.image import build_image
+
+    build_image(SANDBOX_IMAGE)
+    yield
+    if started is not None:
+        subprocess.run(["bash", str(ROOT / "scripts" / "dockerd.sh"), "stop", str(started)])

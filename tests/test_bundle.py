@@ -352,8 +352,11 @@ def test_weighted_reward_from_a_manifest(tmp_path: Path) -> None:
 def test_task_model_is_strict() -> None:
     task = Task(id="a", split="train", index=0, prompt="p")
     assert task.data == {} and task.tools is None
-    with pytest.raises(ValueError):
+    with pytest.raises(TypeError):
         Task(id="a", split="train", index=0, prompt="p", extra=1)  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="index"):
+        Task(id="a", split="train", index=-1, prompt="p")
+    assert Task.from_json(task.to_json()) == task
 
 
 def test_load_bundle_error_lists_every_problem(tmp_path: Path) -> None:

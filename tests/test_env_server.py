@@ -274,5 +274,5 @@ async def test_build_app_reward_override_and_failing_reward(bundle: Bundle) -> N
             out = await env.call_tool("submit_schedule", {"schedule": [0] * 24})
     assert out.reward is None and out.done
     assert out.observation.status == "error"
-    with pytest.raises(ValueError, match="unknown sandbox 'docker'"):
-        build_app(bundle, sandbox="docker")
+    with pytest.raises(ValueError, match="unknown sandbox backend 'podman'"):
+        build_app(bundle, sandbox="podman")

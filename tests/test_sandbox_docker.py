@@ -1,22 +1,14 @@
-"""The docker sandbox backend against a real dockerd.
-
-The daemon: ``DOCKER_HOST`` when set; otherwise a private one that this session starts with
-``scripts/dockerd.sh`` in ``CORRAL_DOCKERD_DIR`` (default ``/tmp/corral-dockerd``, a stable folder
-so that the image built into its data-root is reused by later runs) and stops at the end. The
-image (``corral-sandbox:py3``) is built once (about 50 s) and then found by its input-hash label.
-Tests skip, saying why, only when no daemon can be reached or started.
-"""
+"""The docker sandbox backend against a real dockerd (the ``docker_daemon`` fixture in
+conftest.py starts one when none is reachable, and builds the sandbox image)."""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
 import statistics
 import subprocess
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -24,49 +16,7 @@ import pytest
 
 from corral.sandboxes.base import SandboxError, SandboxSpec
 
-ROOT = Path(__file__).resolve().parent.parent
 IMAGE = "corral-sandbox:py3"
-
-
-def _reachable() -> bool:
-    try:
-        import docker
-
-        docker.from_env(timeout=5).ping()
-        return True
-    except Exception:
-        return False
-
-
-@pytest.fixture(scope="session")
-def docker_daemon() -> Iterator[None]:
-    try:
-        import docker  # noqa: F401
-    except ImportError:
-        pytest.skip("the docker SDK is not installed (pip install docker)")
-    started: Path | None = None
-    if not os.environ.get("DOCKER_HOST") or not _reachable():
-        if shutil.which("dockerd") is None or os.geteuid() != 0:
-            pytest.skip("no docker daemon reachable and cannot start one (needs dockerd and root)")
-        folder = Path(os.environ.get("CORRAL_DOCKERD_DIR", "/tmp/corral-dockerd"))
-        proc = subprocess.run(
-            ["bash", str(ROOT / "scripts" / "dockerd.sh"), "start", str(folder)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if proc.returncode != 0:
-            pytest.skip(f"could not start dockerd: {proc.stderr.strip()[-500:]}")
-        os.environ["DOCKER_HOST"] = proc.stdout.strip().split("=", 1)[1]
-        started = folder
-    if not _reachable():
-        pytest.skip(f"no docker daemon answers at {os.environ.get('DOCKER_HOST')}")
-    from corral.sandboxes.image import build_image
-
-    build_image(IMAGE)
-    yield
-    if started is not None:
-        subprocess.run(["bash", str(ROOT / "scripts" / "dockerd.sh"), "stop", str(started)])
 
 
 @pytest.fixture

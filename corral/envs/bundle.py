@@ -21,13 +21,10 @@ problem names the file it is about, relative to the bundle folder, with a line w
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import inspect
 import json
 import math
 import re
-import sys
 import threading
 import tomllib
 import traceback
@@ -40,6 +37,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from corral.envs.episode import END_TURN_TOOL, Env, Task
+from corral.envs.importing import bundle_package, import_file
 
 MANIFEST = "bundle.toml"
 # OpenAI's function-name rule, so every tool can be offered to any OpenAI-style client.
@@ -93,10 +91,22 @@ class ToolSpec(_Model):
         }
 
 
-class SandboxSpec(_Model):
-    """What isolation the env code wants: ``none`` runs it in the server's own process."""
+class SandboxNeeds(_Model):
+    """``[sandbox]``: what the env code needs from where it runs.
+
+    ``needs = "none"``: plain Python, safe to run in the server's own process (it may still be
+    served in a sandbox). ``needs = "process"``: the env runs commands or touches files on the
+    model's behalf, so it must be served in a sandbox (``corral serve --sandbox ...``). The
+    limits apply to each episode's sandbox; ``None`` leaves the backend's default.
+    """
 
     needs: Literal["none", "process"] = "none"
+    network: Literal["none", "loopback"] = "none"
+    memory_mb: int | None = Field(default=None, ge=16)
+    cpus: float | None = Field(default=None, gt=0)
+    pids: int | None = Field(default=None, ge=8)
+    disk_mb: int | None = Field(default=None, ge=1)
+    image: str | None = None  # the container image / template the env needs
 
 
 class EnvSpec(_Model):
@@ -152,7 +162,7 @@ class BundleManifest(_Model):
     system_prompt: str
     max_turns: int = Field(ge=1)
     splits: dict[str, str] = Field(min_length=1)
-    sandbox: SandboxSpec = SandboxSpec()
+    sandbox: SandboxNeeds = SandboxNeeds()
     env: EnvSpec
     verifier: VerifierSpec = VerifierSpec()
     reward: RewardSpec
@@ -437,7 +447,7 @@ def _check(root: Path) -> _Checked:
             problems.append(f"{MANIFEST}: splits: bad split name {split!r}")
         problems.extend(_file_problems(root, rel, f"splits.{split}"))
 
-    package = _bundle_package(root, manifest.name)
+    package = bundle_package(root, manifest.name)
     env_class = _load_env_class(root, package, manifest.env, problems)
     verifier = _load_verifier(root, package, manifest.verifier, problems)
     if problems:
@@ -501,29 +511,6 @@ def _load_verifier(
     return fn
 
 
-def _package_name(root: Path, bundle_name: str) -> str:
-    # One package per bundle folder: two bundles with the same module names never collide.
-    digest = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:12]
-    return f"_corral_bundle_{_identifier(bundle_name)}_{digest}"
-
-
-def _identifier(text: str) -> str:
-    return re.sub(r"\W", "_", text)
-
-
-def _bundle_package(root: Path, bundle_name: str) -> str:
-    """(Re)create the bundle's package in ``sys.modules`` so a fresh load sees edited code."""
-    package = _package_name(root, bundle_name)
-    for name in [n for n in sys.modules if n == package or n.startswith(package + ".")]:
-        del sys.modules[name]
-    spec = importlib.util.spec_from_loader(package, loader=None, is_package=True)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    module.__path__ = [str(root.resolve())]
-    sys.modules[package] = module
-    return package
-
-
 def _import_module(
     root: Path, package: str, rel: str, key: str, problems: list[str]
 ) -> ModuleType | None:
@@ -535,22 +522,16 @@ def _import_module(
     if not rel.endswith(".py"):
         problems.append(f"{MANIFEST}: {key}: {rel!r} must be a .py file")
         return None
-    name = f"{package}.{_identifier(rel.removesuffix('.py'))}"
-    if name in sys.modules:
-        return sys.modules[name]  # the env and verifier may share one module
-    spec = importlib.util.spec_from_file_location(name, root / rel)
-    if spec is None or spec.loader is None:
-        problems.append(f"{rel}: cannot be imported (no loader for it)")
-        return None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
     try:
-        spec.loader.exec_module(module)
+        return import_file(root, package, rel)
+    except ImportError as exc:
+        if str(exc).startswith(f"{rel}: cannot be imported"):
+            problems.append(str(exc))
+        else:
+            problems.append(f"{rel}: does not import: {_describe_exception(exc, root)}")
     except Exception as exc:
-        del sys.modules[name]
         problems.append(f"{rel}: does not import: {_describe_exception(exc, root)}")
-        return None
-    return module
+    return None
 
 
 def _describe_exception(exc: BaseException, root: Path) -> str:

@@ -16,20 +16,23 @@ Contracts the server relies on:
 - :meth:`Env.state` returns plain JSON data (dicts, lists, str, int, float, bool, None): it may
   cross a process boundary when the bundle runs in a sandbox.
 - The verifier is a pure function of the task and that state; it returns finite floats.
+
+This module imports nothing but the standard library: when a bundle runs in a sandbox, it is
+copied in beside the bundle's env code (:mod:`corral.envs.runner`), where corral's
+dependencies are not installed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, runtime_checkable
-
-from pydantic import BaseModel, ConfigDict, Field
 
 # The model's name for a turn-ending call; the server provides it, so no bundle may define it.
 END_TURN_TOOL = "end_turn"
 
 
-class Task(BaseModel):
+@dataclass(frozen=True)
+class Task:
     """One task of a bundle: where it sits (split, index), what the model sees, the env's data.
 
     ``prompt`` is the first user message. ``data`` is the env's own, opaque to corral (the
@@ -38,14 +41,28 @@ class Task(BaseModel):
     episodes: an env copies what it wants to change in ``data`` instead of mutating it.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    id: str = Field(min_length=1)
+    id: str
     split: str
-    index: int = Field(ge=0)
+    index: int
     prompt: str
-    data: dict[str, Any] = Field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)
     tools: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        # The bundle loader validates task lines; this catches hand-made tasks (tests, runners).
+        if not self.id:
+            raise ValueError("a task needs a non-empty id")
+        if self.index < 0:
+            raise ValueError(f"task index must be >= 0, got {self.index}")
+
+    def to_json(self) -> dict[str, Any]:
+        """The task as plain JSON data (what crosses into a sandbox)."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Task:
+        """The task :meth:`to_json` wrote; ``TypeError`` for unknown or missing fields."""
+        return cls(**data)
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,14 @@ Outside loopback, put a TLS-terminating proxy in front of it (e.g. Caddy ``rever
 or nginx ``proxy_pass`` with ``proxy_set_header Upgrade $http_upgrade``) and bind the server
 to 127.0.0.1.
 
-Env code runs in worker threads (``asyncio.to_thread``) so a slow tool never blocks the event
-loop. A tool call that overruns ``tool_timeout`` is answered with a ``TOOL_TIMEOUT`` error and
-its episode is ended, but the thread itself cannot be killed and runs on until the env code
-returns: really stopping the work comes with the process sandbox backends (issue 4).
+Where env code runs (:mod:`corral.envs.hosting`): with ``sandbox=None`` a bundle whose
+``[sandbox] needs = "none"`` runs in the server's process, in worker threads, so a slow tool
+never blocks the event loop; a tool call past ``tool_timeout`` is answered with a
+``TOOL_TIMEOUT`` error and ends its episode, but the thread cannot be killed and runs on until
+the env code returns. With a sandbox backend (``sandbox="bwrap"``, ``"docker"``, ...) every
+episode's env runs in a sandbox of its own; a call past its deadline kills the sandbox, and an
+episode's sandbox is removed as soon as the episode is graded or closed. The verifier always
+runs in the server's process.
 
 Shutdown (SIGTERM): :func:`run_server` runs the app with uvicorn and, before uvicorn's own
 graceful shutdown, calls :meth:`EpisodeManager.shutdown`: new resets are refused (resets waiting
@@ -47,7 +51,14 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
 from corral.envs.bundle import Bundle, RewardError, TaskNotFound, VerifierError, load_bundle
-from corral.envs.episode import END_TURN_TOOL, Env, Task
+from corral.envs.episode import END_TURN_TOOL, Task
+from corral.envs.hosting import (
+    EnvFailure,
+    EnvHandle,
+    EnvHost,
+    InProcessHost,
+    SandboxHost,
+)
 from corral.envs.protocol import (
     CLIENT_MESSAGE,
     CLIENT_TYPES,
@@ -67,6 +78,8 @@ from corral.envs.protocol import (
     encode,
     error_message,
 )
+from corral.sandboxes.base import NetworkPolicy, SandboxProvider, SandboxSpec
+from corral.sandboxes.providers import make_provider
 
 END_TURN_SCHEMA: dict[str, Any] = {
     "type": "function",
@@ -102,8 +115,6 @@ class ServerError(Exception):
 # Combines the verifier's named scores into the episode's reward (``build_app(reward=...)``
 # overrides the bundle's ``[reward]``); whatever it raises flags the episode, never a 0.
 RewardFn = Callable[[dict[str, float]], float]
-# "local": bundle code runs in the server process, in worker threads; no isolation.
-SANDBOXES = frozenset({"local"})
 
 
 def task_tools(bundle: Bundle, task: Task) -> list[dict[str, Any]]:
@@ -143,7 +154,7 @@ class Episode:
         episode_id: str,
         bundle: Bundle,
         task: Task,
-        env: Env,
+        env: EnvHandle,
         reward: RewardFn | None = None,
     ) -> None:
         self.reward_fn: RewardFn = reward or bundle.reward
@@ -160,6 +171,8 @@ class Episode:
         self.last_active = time.monotonic()
         self.busy = False  # a step in flight: the reaper leaves the episode alone
         self.closed_as: str | None = None  # set by the manager: "reaped", "shutdown", ...
+        self.final_state: dict[str, Any] | None = None  # read at the end, before the env goes
+        self._release: asyncio.Future[None] | None = None
 
     def observation(self, content: str = "", **fields: Any) -> EpisodeObservation:
         return EpisodeObservation(
@@ -187,7 +200,7 @@ class Episode:
             )
         if call.name == END_TURN_TOOL:
             return await self._end_turn(arguments, tool_timeout)
-        outcome = await self._run(self.env.call_tool, call.name, arguments, limit_s=tool_timeout)
+        outcome = await self._run(self.env.call_tool(call.name, arguments), limit_s=tool_timeout)
         if outcome.done:
             return await self.finish(
                 outcome.content, tool_error=outcome.error, limit_s=tool_timeout
@@ -201,10 +214,9 @@ class Episode:
         answer and returns the next turn's prompt; for any other env ending the turn ends the
         episode. ``max_turns`` ends it in any case."""
         self.turn += 1
-        hook = getattr(self.env, END_TURN_TOOL, None)
-        if not callable(hook):
+        if not self.env.has_end_turn:
             return await self.finish("turn ended; the episode is over", limit_s=tool_timeout)
-        outcome = await self._run(hook, arguments, limit_s=tool_timeout)
+        outcome = await self._run(self.env.end_turn(arguments), limit_s=tool_timeout)
         if outcome.done or self.turn >= self.bundle.manifest.max_turns:
             return await self.finish(outcome.content, limit_s=tool_timeout)
         return ObservationData(observation=self.observation(outcome.content))
@@ -213,16 +225,24 @@ class Episode:
         self, content: str, *, limit_s: float, tool_error: bool = False
     ) -> ObservationData:
         """End the episode and grade it: ``reward`` is the bundle's reward of the verifier's
-        scores, or ``None`` with status ``error`` when the verifier (or reward) fails."""
+        scores, or ``None`` with status ``error`` when the verifier (or reward) fails. The env
+        is released (its sandbox removed) once its state is read."""
         self.done = True
         try:
-            state = await self._run(self.env.state, limit_s=limit_s)
-            scores = await self._run(self.bundle.grade, self.task, state, limit_s=limit_s)
+            state = await self._run(self.env.state(), limit_s=limit_s)
+            self.final_state = state
+            # Released now, not awaited: the reply need not wait for a container's removal
+            # (the handle keeps the teardown; the manager's close awaits it).
+            self._release = asyncio.ensure_future(self.env.close())
+            scores = await self._run(
+                asyncio.to_thread(self.bundle.grade, self.task, state), limit_s=limit_s
+            )
             reward = float(self.reward_fn(scores))
             if not math.isfinite(reward):
                 raise RewardError(f"the reward is not a finite number: {reward!r}")
         except Exception as exc:  # a custom reward function may raise anything: flag it
             self.status = "error"
+            await self.env.close()
             return ObservationData(
                 observation=self.observation(content, tool_error=tool_error, error=str(exc)),
                 reward=None,
@@ -235,20 +255,27 @@ class Episode:
             done=True,
         )
 
-    async def _run(self, fn: Callable[..., Any], *args: Any, limit_s: float) -> Any:
-        """Run env code in a worker thread within ``limit_s``; an overrun or an exception ends
-        the episode (the env's state is no longer trustworthy) and raises ServerError."""
+    async def _run(self, call: Awaitable[Any], *, limit_s: float) -> Any:
+        """Await env code (or the verifier) within ``limit_s``. An overrun or a failure ends
+        the episode (the env's state is no longer trustworthy), releases the env (a sandboxed
+        one is killed, which stops the work) and raises ServerError."""
         try:
-            return await asyncio.wait_for(asyncio.to_thread(fn, *args), limit_s)
+            return await asyncio.wait_for(call, limit_s)
         except TimeoutError:
             self.done, self.status = True, "error"
+            await self.env.close()
             raise ServerError(
                 ErrorCode.TOOL_TIMEOUT, f"the env did not answer within {limit_s:g} s"
             ) from None
         except (VerifierError, RewardError):
             raise
+        except EnvFailure as exc:
+            self.done, self.status = True, "error"
+            await self.env.close()
+            raise ServerError(ErrorCode.EXECUTION_ERROR, str(exc)) from exc
         except Exception as exc:
             self.done, self.status = True, "error"
+            await self.env.close()
             raise ServerError(
                 ErrorCode.EXECUTION_ERROR, f"the env raised {type(exc).__name__}: {exc}"
             ) from exc
@@ -290,10 +317,12 @@ class EpisodeManager:
         tool_timeout: float,
         metrics: Metrics,
         reward: RewardFn | None = None,
+        host: EnvHost | None = None,
     ) -> None:
         if max_concurrent_envs < 1:
             raise ValueError("max_concurrent_envs must be at least 1")
         self.bundle = bundle
+        self.host: EnvHost = host or InProcessHost(bundle)
         self.reward = reward
         self.max = max_concurrent_envs
         self.reset_timeout = reset_timeout
@@ -331,15 +360,22 @@ class EpisodeManager:
     async def open(self, task: Task) -> tuple[Episode, str]:
         """A new episode on ``task`` and its first observation text (the env's reset)."""
         await self._take_slot()
+        env: EnvHandle | None = None
         try:
-            env = await asyncio.wait_for(asyncio.to_thread(self.bundle.make_env), self.tool_timeout)
-            prompt = await asyncio.wait_for(asyncio.to_thread(env.reset, task), self.reset_timeout)
-        except Exception as exc:
+            env = await asyncio.wait_for(self.host.start(), self.reset_timeout)
+            prompt = await asyncio.wait_for(env.reset(task), self.reset_timeout)
+        except BaseException as exc:
+            if env is not None:
+                await env.close()
             await self._give_slot()
-            raise ServerError(
-                ErrorCode.FACTORY_ERROR, f"the env could not start: {type(exc).__name__}: {exc}"
-            ) from exc
+            if not isinstance(exc, Exception):
+                raise
+            why = str(exc) if isinstance(exc, EnvFailure) else f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, TimeoutError):
+                why = f"it did not start within {self.reset_timeout:g} s (reset_timeout)"
+            raise ServerError(ErrorCode.FACTORY_ERROR, f"the env could not start: {why}") from exc
         if self.closing:  # shut down while the env was starting
+            await env.close()
             await self._give_slot()
             raise ServerError(ErrorCode.SESSION_ERROR, SHUTDOWN_REASON)
         episode = Episode(f"ep-{next(self._ids)}", self.bundle, task, env, self.reward)
@@ -350,6 +386,7 @@ class EpisodeManager:
         """Forget ``episode`` and free its slot (idempotent)."""
         if self._episodes.pop(episode.id, None) is None:
             return
+        await episode.env.close()
         episode.done = True
         episode.closed_as = status or episode.status
         self.metrics.episodes.labels(status=status or episode.status).inc()
@@ -494,7 +531,9 @@ class Session:
             ), False
         episode = self._live_episode()
         if isinstance(msg, StateRequest):
-            state = await episode._run(episode.env.state, limit_s=self.manager.tool_timeout)
+            state = episode.final_state
+            if state is None:
+                state = await episode._run(episode.env.state(), limit_s=self.manager.tool_timeout)
             data = {"episode_id": episode.id, "step_count": episode.steps, "done": episode.done}
             data.update(task_id=episode.task.id, turn=episode.turn, status=episode.status)
             data["env"] = state
@@ -554,6 +593,37 @@ def _bearer_ok(header: str | None, token: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(value.encode(), token.encode())
 
 
+def env_host(
+    bundle: Bundle,
+    sandbox: str | SandboxProvider | None,
+    *,
+    image: str | None = None,
+    warm: int = 0,
+) -> EnvHost:
+    """Where ``bundle``'s envs run (see :func:`build_app`'s ``sandbox``)."""
+    needs = bundle.manifest.sandbox
+    if sandbox is None:
+        if needs.needs != "none":
+            raise ValueError(
+                f"bundle {bundle.name!r} needs a sandbox ([sandbox] needs = {needs.needs!r}): "
+                "serve it with --sandbox bwrap or docker (kubernetes and e2b where configured; "
+                "local for development only, with no isolation)"
+            )
+        return InProcessHost(bundle)
+    if isinstance(sandbox, str):
+        sandbox = make_provider(sandbox, f"serve-{bundle.name}", image=image or needs.image)
+    spec = SandboxSpec(
+        workdir="/work",
+        memory_mb=needs.memory_mb,
+        cpus=needs.cpus,
+        pids=needs.pids,
+        disk_mb=needs.disk_mb,
+        network=NetworkPolicy(mode=needs.network),
+        labels={"corral.bundle": bundle.name},
+    )
+    return SandboxHost(bundle, sandbox, spec, warm=warm)
+
+
 def build_app(
     bundle: Bundle | Path | str,
     *,
@@ -563,7 +633,9 @@ def build_app(
     idle_timeout: float = 600.0,
     tool_timeout: float = 60.0,
     reward: RewardFn | None = None,
-    sandbox: str = "local",
+    sandbox: str | SandboxProvider | None = None,
+    sandbox_image: str | None = None,
+    warm_sandboxes: int = 0,
 ) -> FastAPI:
     """A FastAPI app serving ``bundle`` (a loaded Bundle or its folder).
 
@@ -572,13 +644,16 @@ def build_app(
     :mod:`corral.envs.protocol`). With a ``token``, every route but ``/health`` requires
     ``Authorization: Bearer <token>``: HTTP answers 401, the socket is closed with 1008
     before any env is created. The manager is at ``app.state.episodes``.
+
+    ``sandbox``: where each episode's env runs (:mod:`corral.envs.hosting`): ``None`` runs a
+    bundle that needs no sandbox in this process and refuses one that does (``ValueError``);
+    a backend name (:data:`~corral.sandboxes.providers.BACKENDS`) or a provider runs every
+    episode in a sandbox of its own, with the bundle's ``[sandbox]`` limits, ``sandbox_image``
+    as the image or template, and ``warm_sandboxes`` started ahead. The server sweeps the
+    backend's leftovers of dead servers when it starts.
     """
-    if sandbox not in SANDBOXES:
-        raise ValueError(
-            f"unknown sandbox {sandbox!r}: available here {sorted(SANDBOXES)} (the isolating "
-            "backends arrive with corral.sandboxes)"
-        )
     loaded = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
+    host = env_host(loaded, sandbox, image=sandbox_image, warm=warm_sandboxes)
     metrics = Metrics()
     manager = EpisodeManager(
         loaded,
@@ -588,10 +663,12 @@ def build_app(
         tool_timeout=tool_timeout,
         metrics=metrics,
         reward=reward,
+        host=host,
     )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await host.open()
         reaper = asyncio.create_task(manager.reaper())
         try:
             yield
@@ -600,6 +677,7 @@ def build_app(
             with contextlib.suppress(asyncio.CancelledError):
                 await reaper
             await manager.shutdown()
+            await host.aclose()
 
     def require_token(request: Request) -> None:
         if token is not None and not _bearer_ok(request.headers.get("authorization"), token):
@@ -613,7 +691,12 @@ def build_app(
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "healthy", "bundle": loaded.name, "version": loaded.manifest.version}
+        return {
+            "status": "healthy",
+            "bundle": loaded.name,
+            "version": loaded.manifest.version,
+            "envs": host.description,
+        }
 
     @app.get("/splits", dependencies=authed)
     async def splits() -> dict[str, Any]:

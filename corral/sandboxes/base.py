@@ -90,6 +90,38 @@ class Endpoint:
     port: int
 
 
+class SandboxProcess(abc.ABC):
+    """A long-running process inside a sandbox, with its stdin and stdout as byte streams.
+
+    The env server runs a bundle's env code this way (:mod:`corral.envs.runner`): requests go
+    to stdin, answers come back on stdout, one JSON line each. stderr is drained continuously
+    (a chatty process never blocks on a full pipe) and its last :data:`STDERR_TAIL` bytes are
+    kept for diagnostics.
+    """
+
+    @abc.abstractmethod
+    async def write(self, data: bytes) -> None:
+        """Send ``data`` to the process's stdin. :class:`SandboxError` once it is gone."""
+
+    @abc.abstractmethod
+    async def readline(self) -> bytes:
+        """The next line of stdout, newline included; ``b""`` once stdout is closed (the
+        process ended or was killed). Lines are capped at :data:`MAX_LINE` bytes: a longer
+        one raises :class:`SandboxError`."""
+
+    @abc.abstractmethod
+    async def kill(self) -> None:
+        """Kill the process and everything it started. Idempotent; never raises."""
+
+    @abc.abstractmethod
+    def stderr_tail(self) -> str:
+        """The last bytes the process wrote to stderr, decoded (for error messages)."""
+
+
+STDERR_TAIL = 64 * 1024
+MAX_LINE = 64 * 2**20
+
+
 class Sandbox(abc.ABC):
     """One live sandbox. Use as an async context manager, or call :meth:`close`."""
 
@@ -109,6 +141,18 @@ class Sandbox(abc.ABC):
 
         Raises :class:`SandboxError` only when the sandbox itself is unusable (gone, unreachable);
         a failing command is an :class:`ExecResult` with its exit code."""
+
+    @abc.abstractmethod
+    async def spawn(
+        self,
+        cmd: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> SandboxProcess:
+        """Start ``cmd`` inside and keep it running, its stdin and stdout open to the caller
+        (see :class:`SandboxProcess`). It lives until it exits, :meth:`SandboxProcess.kill`,
+        or the sandbox closes. Raises :class:`SandboxError` when it cannot be started."""
 
     @abc.abstractmethod
     async def write_file(self, path: str, data: bytes) -> None:
@@ -154,10 +198,17 @@ class Sandbox(abc.ABC):
 
 
 class SandboxProvider(abc.ABC):
-    """Creates sandboxes of one backend, all labelled with ``owner``."""
+    """Creates sandboxes of one backend, all labelled with ``owner``.
+
+    ``host_binds``: whether ``SandboxSpec.binds`` (host paths mounted inside) are supported;
+    backends whose sandboxes run elsewhere (kubernetes, e2b) refuse binds at ``create``, and
+    the env server uploads files instead. ``isolated``: whether model actions are contained
+    at all (``local`` is not)."""
 
     name: str
     owner: str
+    host_binds: bool = True
+    isolated: bool = True
 
     @abc.abstractmethod
     async def create(self, spec: SandboxSpec) -> Sandbox:

@@ -23,7 +23,11 @@ the seccomp socket rule is lifted. Use ``none`` for untrusted actions unless the
 needs the network. ``allowlist`` is refused (bwrap has no per-host filter).
 
 Processes do not outlive their exec: each exec is its own pid namespace, killed when its main
-process exits. A timeout SIGKILLs the ``bwrap`` process group; ``--die-with-parent`` then
+process exits. The command is that namespace's pid 1 (``--as-pid-1``): bwrap's own reaper as
+pid 1 is orphaned when bwrap exits, and on a host whose init does not reap orphans promptly
+(this machine's does not) every exec then leaked one charge of the pids cgroup until the
+sandbox could not fork at all. The price: inside a long-lived :meth:`BwrapSandbox.spawn`,
+processes orphaned by the command stay zombies (counted against ``pids``) until it exits. A timeout SIGKILLs the ``bwrap`` process group; ``--die-with-parent`` then
 takes the namespace's init, and with it every process inside.
 
 Defaults when the spec leaves a limit ``None``: 1024 MB memory, 256 pids, no CPU cap.
@@ -50,10 +54,11 @@ from corral.sandboxes.base import (
     ExecResult,
     Sandbox,
     SandboxError,
+    SandboxProcess,
     SandboxProvider,
     SandboxSpec,
 )
-from corral.sandboxes.local import DEFAULT_STATE_DIR, HostFolderFiles, run_tree
+from corral.sandboxes.local import DEFAULT_STATE_DIR, HostFolderFiles, PipeProcess, run_tree
 from corral.sandboxes.records import Record, RecordStore
 
 log = logging.getLogger(__name__)
@@ -159,7 +164,7 @@ class BwrapSandbox(HostFolderFiles, Sandbox):
         argv = [self._bwrap, "--unshare-all", "--unshare-user"]
         if net == "loopback":
             argv.append("--share-net")
-        argv += ["--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+        argv += ["--die-with-parent", "--as-pid-1", "--new-session", "--cap-drop", "ALL"]
         argv += ["--uid", str(UID), "--gid", str(UID), "--hostname", "sandbox"]
         argv += ["--ro-bind", "/usr", "/usr"]
         for link in ("bin", "lib", "lib64", "sbin"):
@@ -201,16 +206,9 @@ class BwrapSandbox(HostFolderFiles, Sandbox):
         OOM-killed or the pids limit refused a fork during this exec (concurrent execs of one
         sandbox share the cgroups, so either may be blamed). Raises :class:`SandboxError` once
         closed or when bwrap cannot be started."""
-        if self._closing is not None:
-            raise SandboxError(f"sandbox {self.id} is closed")
-        full_env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": self.spec.workdir}
-        full_env |= {"LANG": "C.UTF-8"} | dict(self.spec.env) | dict(env or {})
-        fd = os.memfd_create("corral-seccomp")
+        before = self._counters()
+        fd, argv = self._prepare(cmd, env, cwd)
         try:
-            os.write(fd, seccomp_filter(self.spec.network.mode != "loopback"))
-            os.lseek(fd, 0, os.SEEK_SET)
-            before = self._counters()
-            argv = self._argv(cmd, full_env, cwd or self.spec.workdir, fd)
             try:
                 out = await run_tree(
                     argv,
@@ -239,6 +237,42 @@ class BwrapSandbox(HostFolderFiles, Sandbox):
             killed=reason is not None,
             reason=reason,
         )
+
+    def _prepare(
+        self, cmd: Sequence[str], env: Mapping[str, str] | None, cwd: str | None
+    ) -> tuple[int, list[str]]:
+        """The seccomp filter's memfd (the caller closes it) and the bwrap argv for ``cmd``."""
+        if self._closing is not None:
+            raise SandboxError(f"sandbox {self.id} is closed")
+        full_env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": self.spec.workdir}
+        full_env |= {"LANG": "C.UTF-8"} | dict(self.spec.env) | dict(env or {})
+        fd = os.memfd_create("corral-seccomp")
+        os.write(fd, seccomp_filter(self.spec.network.mode != "loopback"))
+        os.lseek(fd, 0, os.SEEK_SET)
+        return fd, self._argv(cmd, full_env, cwd or self.spec.workdir, fd)
+
+    async def spawn(
+        self,
+        cmd: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> SandboxProcess:
+        """Start ``cmd`` in a fresh bwrap (its own pid namespace) and keep it running; killing
+        it kills the namespace. :class:`SandboxError` once closed or when bwrap cannot start."""
+        fd, argv = self._prepare(cmd, env, cwd)
+        try:
+            return await PipeProcess.start(
+                argv,
+                env={"PATH": "/usr/bin:/bin"},
+                cwd=self.folder,
+                running=self._running,
+                pass_fds=(fd,),
+            )
+        except OSError as e:
+            raise SandboxError(f"cannot start bwrap for {self.id}: {e}") from e
+        finally:
+            os.close(fd)
 
     async def endpoint(self, port: int) -> Endpoint:
         """Under ``loopback`` the host's 127.0.0.1 (shared network namespace; only while the

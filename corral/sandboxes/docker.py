@@ -16,8 +16,9 @@ What each container gets (``DockerProvider.create``):
   ``nano_cpus``), ``pids`` (default 256), read-only root, ``/tmp`` a 64 MiB tmpfs, the working
   folder a tmpfs-backed volume of ``disk_mb`` (default 256) so that files can be copied in and
   out with ``put_archive``/``get_archive`` even with the read-only root;
-- ``cap_drop=["ALL"]``, ``security_opt=["no-new-privileges"]``, its own pid/ipc/uts namespaces
-  (docker's default), no host bind unless ``spec.binds`` asks (read-only unless ``writable``);
+- user 1000:1000 (never root), ``cap_drop=["ALL"]``, ``security_opt=["no-new-privileges"]``,
+  its own pid/ipc/uts namespaces (docker's default), no host bind unless ``spec.binds`` asks
+  (read-only unless ``writable``);
 - labels: ``corral.owner``, ``corral.sandbox`` (the name, chosen before the create call), the
   owner's host, boot id, pid and process start time, the expiry time, and ``spec.labels``.
   Labels are set atomically with the create call, so a server that crashes between "create
@@ -46,21 +47,24 @@ import socket
 import tarfile
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import PurePosixPath
 from typing import Any
 
 from corral.sandboxes.base import (
+    MAX_LINE,
     OWNER_LABEL,
     SANDBOX_LABEL,
     Endpoint,
     ExecResult,
     Sandbox,
     SandboxError,
+    SandboxProcess,
     SandboxProvider,
     SandboxSpec,
 )
 from corral.sandboxes.image import DEFAULT_TAG
+from corral.sandboxes.streams import LineBuffer
 
 HOST_LABEL = "corral.host"
 BOOT_LABEL = "corral.boot_id"
@@ -73,6 +77,7 @@ DEFAULT_CPUS = 1.0
 DEFAULT_PIDS = 256
 DEFAULT_DISK_MB = 256
 TMP_MB = 64
+UID = 1000  # the unprivileged user everything inside runs as
 HOST_GRACE_S = 3.0  # host-side kill this long after the in-sandbox timeout should have fired
 _STATE_DIR = "/tmp/.corral"  # exec bookkeeping inside the sandbox (stdin files)
 
@@ -257,6 +262,48 @@ class DockerSandbox(Sandbox):
             reason=reason,
         )
 
+    async def spawn(
+        self,
+        cmd: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> SandboxProcess:
+        """Start ``cmd`` as an attached exec (stdin and stdout streamed over the daemon's
+        hijacked connection) in a session of its own, which :meth:`SandboxProcess.kill` kills
+        whole. :class:`SandboxError` when the exec cannot be created or attached."""
+        if not cmd:
+            raise ValueError("spawn needs a command")
+        tag = uuid.uuid4().hex[:12]
+        sid_file = f"{_STATE_DIR}/{tag}.sid"
+        inner = f'mkdir -p {_STATE_DIR}; ps -o sid= -p $$ > {sid_file}; exec "$@"'
+
+        def create() -> str:
+            made = self._client.api.exec_create(
+                self._container.id,
+                ["sh", "-c", inner, "sh", *cmd],
+                stdin=True,
+                stdout=True,
+                stderr=True,
+                tty=False,
+                environment=dict(env or {}),
+                workdir=cwd or self._spec.workdir,
+            )
+            return str(made["Id"])
+
+        try:
+            exec_id = await asyncio.to_thread(create)
+            reader, writer = await _attach(self._client, exec_id)
+        except Exception as e:
+            raise SandboxError(f"docker sandbox {self.id}: cannot start {cmd[0]!r}: {e}") from e
+
+        async def kill_session() -> None:
+            script = f"s=$(cat {sid_file} 2>/dev/null) && pkill -KILL -s $s; rm -f {sid_file}"
+            with contextlib.suppress(SandboxError):
+                await self._raw(["sh", "-c", script])
+
+        return DockerProcess(reader, writer, kill_session)
+
     # -- files --------------------------------------------------------------------------------
 
     def _in_workdir(self, path: str) -> bool:
@@ -297,6 +344,7 @@ class DockerSandbox(Sandbox):
             info = tarfile.TarInfo(PurePosixPath(path).name)
             info.size = len(data)
             info.mode = 0o644
+            info.uid = info.gid = UID  # owned by the sandbox's user, as if it wrote the file
             info.mtime = int(time.time())
             tar.addfile(info, io.BytesIO(data))
         try:
@@ -353,6 +401,95 @@ class DockerSandbox(Sandbox):
 
     async def _close(self) -> None:
         await asyncio.to_thread(_remove, self._client, self.id)
+
+
+async def _attach(client: Any, exec_id: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Start exec ``exec_id`` attached: the daemon answers ``101 UPGRADED`` and the connection
+    then carries stdin one way and multiplexed stdout/stderr frames the other. The handshake is
+    done here, on an asyncio stream, so that no byte after the headers is lost to an HTTP
+    library's read buffer (which would break the frame stream)."""
+    adapter = getattr(client.api, "_custom_adapter", None)
+    socket_path = getattr(adapter, "socket_path", None)
+    if socket_path:
+        reader, writer = await asyncio.open_unix_connection(socket_path, limit=MAX_LINE)
+    else:
+        url = str(client.api.base_url)
+        if not url.startswith("http://"):
+            raise SandboxError(f"attached exec needs a unix:// or plain tcp:// daemon, not {url}")
+        host, _, port = url.removeprefix("http://").partition(":")
+        reader, writer = await asyncio.open_connection(host, int(port or 2375), limit=MAX_LINE)
+    body = b'{"Detach": false, "Tty": false}'
+    head = (
+        f"POST /exec/{exec_id}/start HTTP/1.1\r\nHost: docker\r\n"
+        "Content-Type: application/json\r\nConnection: Upgrade\r\nUpgrade: tcp\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    writer.write(head.encode() + body)
+    await writer.drain()
+    headers = await reader.readuntil(b"\r\n\r\n")
+    status = headers.split(b"\r\n", 1)[0].decode(errors="replace")
+    if " 101 " not in status and " 200 " not in status:
+        writer.close()
+        raise SandboxError(f"the daemon refused the attach: {status}")
+    return reader, writer
+
+
+class DockerProcess(SandboxProcess):
+    """An attached docker exec: stdin goes down the hijacked connection; a pump splits the
+    daemon's frames (8-byte header: stream, 3 zero bytes, big-endian length) into stdout lines
+    and the stderr tail."""
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        kill_session: Callable[[], Awaitable[None]],
+    ) -> None:
+        self._writer = writer
+        self._kill_session = kill_session
+        self._out = LineBuffer()
+        self._killed = False
+        self._pump = asyncio.ensure_future(self._read_frames(reader))
+
+    async def _read_frames(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                header = await reader.readexactly(8)
+                size = int.from_bytes(header[4:], "big")
+                payload = await reader.readexactly(size)
+                if header[0] == 2:
+                    self._out.add_stderr(payload)
+                else:
+                    self._out.feed(payload)
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            pass
+        finally:
+            self._out.close()
+
+    async def write(self, data: bytes) -> None:
+        if self._killed or self._writer.is_closing() or self._out.closed:
+            raise SandboxError("the process has exited")
+        try:
+            self._writer.write(data)
+            await self._writer.drain()
+        except (ConnectionError, OSError) as e:
+            raise SandboxError(f"the process has exited: {e}") from e
+
+    async def readline(self) -> bytes:
+        return await self._out.readline()
+
+    async def kill(self) -> None:
+        if self._killed:
+            return
+        self._killed = True
+        with contextlib.suppress(BaseException):
+            await self._kill_session()
+        self._writer.close()
+        with contextlib.suppress(BaseException):
+            await asyncio.wait_for(self._pump, 2.0)
+
+    def stderr_tail(self) -> str:
+        return self._out.stderr_tail()
 
 
 def _remove(client: Any, name: str) -> None:
@@ -472,6 +609,7 @@ class DockerProvider(SandboxProvider):
             command=keeper,
             name=name,
             hostname="sandbox",
+            user=f"{UID}:{UID}",  # never root inside, even with every capability dropped
             labels=labels,
             environment=dict(spec.env),
             working_dir=spec.workdir,

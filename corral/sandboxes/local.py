@@ -20,10 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from corral.sandboxes.base import (
+    MAX_LINE,
+    STDERR_TAIL,
     Endpoint,
     ExecResult,
     Sandbox,
     SandboxError,
+    SandboxProcess,
     SandboxProvider,
     SandboxSpec,
 )
@@ -97,6 +100,76 @@ def kill_group(pgid: int) -> None:
     """SIGKILL process group ``pgid``; a group that is already gone is fine."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
+
+
+class PipeProcess(SandboxProcess):
+    """A :class:`SandboxProcess` that is a host subprocess (local, bwrap): the leader of a
+    session of its own, so :meth:`kill` reaches its whole process group."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, running: set[int]) -> None:
+        self._proc = proc
+        self._running = running
+        self._tail = bytearray()
+        running.add(proc.pid)
+        self._drain = asyncio.ensure_future(self._drain_stderr())
+
+    @classmethod
+    async def start(
+        cls,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        cwd: str | Path,
+        running: set[int],
+        pass_fds: tuple[int, ...] = (),
+    ) -> PipeProcess:
+        """Start ``argv`` with piped stdio; ``OSError`` if it cannot be started."""
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=dict(env),
+            cwd=cwd,
+            start_new_session=True,
+            pass_fds=pass_fds,
+            limit=MAX_LINE,
+        )
+        return cls(proc, running)
+
+    async def _drain_stderr(self) -> None:
+        assert self._proc.stderr is not None
+        while chunk := await self._proc.stderr.read(65536):
+            self._tail += chunk
+            del self._tail[:-STDERR_TAIL]
+
+    async def write(self, data: bytes) -> None:
+        stdin = self._proc.stdin
+        if stdin is None or self._proc.returncode is not None or stdin.is_closing():
+            raise SandboxError("the process has exited")
+        try:
+            stdin.write(data)
+            await stdin.drain()
+        except (BrokenPipeError, ConnectionResetError) as e:
+            raise SandboxError(f"the process has exited: {e}") from e
+
+    async def readline(self) -> bytes:
+        assert self._proc.stdout is not None
+        try:
+            return await self._proc.stdout.readline()
+        except ValueError as e:  # asyncio's "separator not found, chunk exceeds the limit"
+            raise SandboxError(f"a line of output is over {MAX_LINE} bytes") from e
+
+    async def kill(self) -> None:
+        kill_group(self._proc.pid)
+        self._running.discard(self._proc.pid)
+        with contextlib.suppress(Exception):
+            await self._proc.wait()
+        with contextlib.suppress(BaseException):
+            await asyncio.wait_for(self._drain, _DRAIN_S)
+
+    def stderr_tail(self) -> str:
+        return self._tail.decode(errors="replace")
 
 
 class HostFolderFiles:
@@ -178,6 +251,29 @@ class LocalSandbox(HostFolderFiles, Sandbox):
             timed_out=out.timed_out,
         )  # fmt: skip
 
+    async def spawn(
+        self,
+        cmd: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> SandboxProcess:
+        """Start ``cmd`` on the host in the folder (no isolation). :class:`SandboxError` once
+        closed or when it cannot be started."""
+        if self._closing is not None or not self.folder.is_dir():
+            raise SandboxError(f"sandbox {self.id} is closed")
+        full_env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(self.folder)}
+        full_env |= dict(self.spec.env) | dict(env or {})
+        try:
+            return await PipeProcess.start(
+                cmd,
+                env=full_env,
+                cwd=self.host_path(cwd or self.spec.workdir),
+                running=self._running,
+            )
+        except OSError as e:
+            raise SandboxError(f"cannot start {cmd[0]!r} in {self.id}: {e}") from e
+
     async def endpoint(self, port: int) -> Endpoint:
         """The host's loopback: a local sandbox shares the host network."""
         return Endpoint("127.0.0.1", port)
@@ -203,6 +299,8 @@ class LocalProvider(SandboxProvider):
     """Creates :class:`LocalSandbox` es. **NO ISOLATION** (see the module docstring)."""
 
     name = "local"
+    host_binds = False  # nothing is mounted: commands see the host's own paths
+    isolated = False
 
     def __init__(self, owner: str, state_dir: Path | None = None) -> None:
         self.owner = owner
