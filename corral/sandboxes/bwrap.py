@@ -27,8 +27,9 @@ process exits. The command is that namespace's pid 1 (``--as-pid-1``): bwrap's o
 pid 1 is orphaned when bwrap exits, and on a host whose init does not reap orphans promptly
 (this machine's does not) every exec then leaked one charge of the pids cgroup until the
 sandbox could not fork at all. The price: inside a long-lived :meth:`BwrapSandbox.spawn`,
-processes orphaned by the command stay zombies (counted against ``pids``) until it exits. A timeout SIGKILLs the ``bwrap`` process group; ``--die-with-parent`` then
-takes the namespace's init, and with it every process inside.
+processes orphaned by the command stay zombies (counted against ``pids``) until it exits.
+A timeout SIGKILLs the ``bwrap`` process group; ``--die-with-parent`` then takes the
+namespace's pid 1, and with it every process inside.
 
 Defaults when the spec leaves a limit ``None``: 1024 MB memory, 256 pids, no CPU cap.
 """
