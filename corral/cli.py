@@ -168,7 +168,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not (bundle / "bundle.toml").exists():
         raise SystemExit(f"corral run: no bundle at {bundle} (pass --bundle PATH)")
     return run_main_job(
-        workdir=Path(args.workdir), episodes=args.episodes, seed=args.seed, bundle=bundle
+        workdir=Path(args.workdir),
+        episodes=args.episodes,
+        seed=args.seed,
+        bundle=bundle,
+        sandbox=args.sandbox,
     )
 
 
@@ -185,13 +189,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="the main job on embedded defaults (tiny model, engine, gateway, gridsim server)",
         description="Build the tiny model if needed, start the local engine and the gateway on "
         "127.0.0.1, play tool-calling conversations through the OpenAI SDK, and write the "
-        "recorded samples and drift report under WORKDIR; then serve the gridsim bundle, "
-        "write its rows and play eval episodes over the WebSocket protocol.",
+        "recorded samples and drift report under WORKDIR; then serve the gridsim bundle "
+        "(each episode's env in a sandbox), write its rows and play eval episodes over the "
+        "WebSocket protocol.",
     )
     run.add_argument("--workdir", default=".corral", help="where models and outputs go")
     run.add_argument("--episodes", type=int, default=4, help="conversations to play")
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--bundle", help="env bundle folder (default: the repository's gridsim)")
+    run.add_argument(
+        "--sandbox",
+        choices=list(BACKENDS),
+        default="local",
+        help="where the bundle's envs run (local: a subprocess, no isolation)",
+    )
     run.set_defaults(func=cmd_run)
 
     model = sub.add_parser("model", help="build models").add_subparsers(

@@ -5,8 +5,10 @@ Today, two stages on 127.0.0.1:
 1. the gateway: build the tiny model (once, cached under the workdir), start the local engine
    and the gateway, and play tool-calling conversations through the official OpenAI SDK,
    exactly as a black-box agent would, then collect each session's samples and drift report;
-2. the env server: serve the gridsim bundle, write its tasks as training rows, and play eval
-   episodes over the WebSocket protocol with a scripted idle policy (the bundle's floor, 0.2).
+2. the env server: serve the gridsim bundle with each episode's env in a sandbox of the
+   ``sandbox`` backend (``local`` by default: a subprocess in a temporary folder, which runs on
+   any machine), write its tasks as training rows, and play eval episodes over the WebSocket
+   protocol with a scripted idle policy (the bundle's floor, 0.2).
 
 The episode player (model through the gateway against the env server) and the trainer join
 this job as they land (DESIGN.md, "A rollout, end to end").
@@ -136,13 +138,15 @@ async def _idle_episodes(url: str, split: str, count: int) -> list[float | None]
     return rewards
 
 
-def run_env_stage(bundle: Path, out: Path, episodes: int, console: Console) -> None:
+def run_env_stage(
+    bundle: Path, out: Path, episodes: int, console: Console, sandbox: str = "local"
+) -> None:
     from corral.adapters.rows import RowSettings, write_rows
     from corral.envs.server import build_app
     from corral.serving import serve_in_thread
 
-    with serve_in_thread(build_app(bundle)) as url:
-        console.print(f"env server {url} serving {bundle}")
+    with serve_in_thread(build_app(bundle, sandbox=sandbox)) as url:
+        console.print(f"env server {url} serving {bundle}, each episode in a {sandbox} sandbox")
         counts = write_rows(url, out / "rows", RowSettings())
         rewards = asyncio.run(_idle_episodes(url, "eval", episodes))
     console.print(
@@ -155,7 +159,12 @@ def run_env_stage(bundle: Path, out: Path, episodes: int, console: Console) -> N
 
 
 def run_main_job(
-    *, workdir: Path, episodes: int = 4, seed: int = 0, bundle: Path = DEFAULT_BUNDLE
+    *,
+    workdir: Path,
+    episodes: int = 4,
+    seed: int = 0,
+    bundle: Path = DEFAULT_BUNDLE,
+    sandbox: str = "local",
 ) -> int:
     console = Console()
     console.print("the tiny model: built offline once, then cached")
@@ -203,5 +212,5 @@ def run_main_job(
         f"{sum(r.reward for r in results) / len(results):.2f}, {forks} forks; "
         f"samples in {out / 'samples.jsonl'}"
     )
-    run_env_stage(bundle, workdir / "runs" / "gridsim", episodes, console)
+    run_env_stage(bundle, workdir / "runs" / "gridsim", episodes, console, sandbox)
     return 0

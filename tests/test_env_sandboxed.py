@@ -370,3 +370,29 @@ class _AllSandboxes:
         from corral.sandboxes.local import DEFAULT_STATE_DIR
 
         return sorted({p.name.split(".")[0] for p in (DEFAULT_STATE_DIR / "bwrap").glob("bw-*")})
+
+
+async def test_shellcraft_is_solved_in_a_sandbox_and_an_idle_episode_scores_zero(
+    isolating: SandboxProvider,
+) -> None:
+    """The shell bundle end to end: the reference solver's commands through the bash tool, in
+    the sandbox, graded by the verifier outside it (one task of each family)."""
+    from bundles.shellcraft.solver import solve
+
+    bundle = load_bundle(ROOT / "bundles" / "shellcraft")
+    tasks = [bundle.task("eval", i) for i in range(8)]
+    families = {t.data["family"]: t for t in tasks}
+    assert len(families) == 4
+    with serve(build_app(bundle, sandbox=isolating)) as url:
+        async with EnvClient(url) as env:
+            for family, task in sorted(families.items()):
+                await env.reset(task_id=task.id)
+                for command in solve(task.data):
+                    out = await env.call_tool("bash", {"command": command})
+                    assert out.observation.content.startswith("exit code: 0"), out
+                done = await env.call_tool("submit", {})
+                assert done.done and done.reward == pytest.approx(1.0), (family, done)
+            await env.reset(task_id=tasks[0].id)
+            idle = await env.call_tool("submit", {})
+            assert idle.done and idle.reward == 0.0
+    assert await isolating.list_owned() == []
