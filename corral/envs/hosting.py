@@ -238,8 +238,9 @@ def build_payload(bundle: Bundle, into: Path) -> Path:
 
 class SandboxHost:
     """One sandbox per episode from ``provider`` (module docstring). ``warm``: keep that many
-    sandboxes started ahead (a :class:`~corral.sandboxes.pool.WarmPool`). :meth:`open` sweeps
-    what a crashed earlier server left, then fills the pool."""
+    sandboxes started ahead (a :class:`~corral.sandboxes.pool.WarmPool`). ``python``: the
+    interpreter inside; ``upload_root``: where the payload goes in backends without binds.
+    :meth:`open` sweeps what a crashed earlier server left, then fills the pool."""
 
     def __init__(
         self,
@@ -249,6 +250,7 @@ class SandboxHost:
         *,
         warm: int = 0,
         python: str = "python3",
+        upload_root: str = UPLOAD_ROOT,
     ) -> None:
         self.bundle = bundle
         self.provider = provider
@@ -267,7 +269,7 @@ class SandboxHost:
             spec = spec.model_copy(update={"binds": (*spec.binds, bind)})
             self.code_root, self._upload = CODE_ROOT, False
         else:
-            self.code_root, self._upload = UPLOAD_ROOT, True
+            self.code_root, self._upload = upload_root, True
         self.spec = spec
         self._pool: WarmPool | None = WarmPool(provider, spec, warm) if warm > 0 else None
 

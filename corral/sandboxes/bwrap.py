@@ -45,7 +45,6 @@ import shutil
 import signal
 import socket
 import tempfile
-import time
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -59,6 +58,7 @@ from corral.sandboxes.base import (
     SandboxProvider,
     SandboxSpec,
 )
+from corral.sandboxes.cgroups import read_counter, remove_cgroup
 from corral.sandboxes.local import DEFAULT_STATE_DIR, HostFolderFiles, PipeProcess, run_tree
 from corral.sandboxes.records import Record, RecordStore
 
@@ -103,40 +103,6 @@ def seccomp_filter(deny_inet: bool) -> bytes:
             t.seek(0)
             _filters[deny_inet] = t.read()
     return _filters[deny_inet]
-
-
-def _cg_read(path: Path, key: str) -> int:
-    """Counter ``key`` from a cgroup ``key value`` file (0 when unreadable)."""
-    try:
-        for line in path.read_text().splitlines():
-            k, _, v = line.partition(" ")
-            if k == key:
-                return int(v)
-    except (OSError, ValueError):
-        pass
-    return 0
-
-
-def _remove_cgroup(path: Path) -> None:
-    """Kill what is left in cgroup ``path`` and remove it; a missing one is fine."""
-    for _ in range(50):  # a fork bomb may fork between the read and the kill: retry
-        try:
-            pids = [int(p) for p in (path / "cgroup.procs").read_text().split()]
-        except OSError:
-            return
-        if not pids:
-            break
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-    for _ in range(50):
-        try:
-            path.rmdir()
-            return
-        except FileNotFoundError:
-            return
-        except OSError:  # EBUSY until the killed tasks are reaped
-            time.sleep(0.01)
 
 
 class BwrapSandbox(HostFolderFiles, Sandbox):
@@ -190,8 +156,8 @@ class BwrapSandbox(HostFolderFiles, Sandbox):
     def _counters(self) -> tuple[int, int]:
         mem, pids = self.cgroups.get("memory"), self.cgroups.get("pids")
         return (
-            _cg_read(mem / "memory.oom_control", "oom_kill") if mem else 0,
-            _cg_read(pids / "pids.events", "max") if pids else 0,
+            read_counter(mem / "memory.oom_control", "oom_kill") if mem else 0,
+            read_counter(pids / "pids.events", "max") if pids else 0,
         )
 
     async def exec(
@@ -298,7 +264,7 @@ def _destroy(folder: Path, cgroups: list[Path], running: set[int] | None = None)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGKILL)
     for cg in cgroups:
-        _remove_cgroup(cg)
+        remove_cgroup(cg)
     shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -347,7 +313,7 @@ class BwrapProvider(SandboxProvider):
                     memsw.write_text(str(mem))
         except OSError as e:
             for path in made.values():
-                _remove_cgroup(path)
+                remove_cgroup(path)
             log.warning("bwrap %s: cgroups unavailable (%s): limits are NOT enforced", sid, e)
             return {}
         return made

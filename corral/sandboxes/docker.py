@@ -43,7 +43,6 @@ import io
 import os
 import re
 import shlex
-import socket
 import tarfile
 import time
 import uuid
@@ -63,14 +62,10 @@ from corral.sandboxes.base import (
     SandboxProvider,
     SandboxSpec,
 )
+from corral.sandboxes.cgroups import event_count
 from corral.sandboxes.image import DEFAULT_TAG
+from corral.sandboxes.ownership import expired, owner_gone, owner_labels
 from corral.sandboxes.streams import LineBuffer
-
-HOST_LABEL = "corral.host"
-BOOT_LABEL = "corral.boot_id"
-PID_LABEL = "corral.owner_pid"
-START_LABEL = "corral.owner_start"
-EXPIRES_LABEL = "corral.expires"
 
 DEFAULT_MEMORY_MB = 1024
 DEFAULT_CPUS = 1.0
@@ -82,60 +77,11 @@ HOST_GRACE_S = 3.0  # host-side kill this long after the in-sandbox timeout shou
 _STATE_DIR = "/tmp/.corral"  # exec bookkeeping inside the sandbox (stdin files)
 
 
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return "unknown"
-
-
-def _proc_start(pid: int) -> str | None:
-    """A process's start time (clock ticks since boot), or None when it does not exist."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]
-
-
-def _owner_alive(labels: Mapping[str, str]) -> bool | None:
-    """Whether a container's owner process still runs; None when this host cannot tell
-    (created from another host)."""
-    if labels.get(HOST_LABEL) != socket.gethostname():
-        return None
-    if labels.get(BOOT_LABEL) != _boot_id():
-        return False  # the host rebooted since: the owner is gone
-    try:
-        pid = int(labels.get(PID_LABEL, ""))
-    except ValueError:
-        return None
-    start = _proc_start(pid)
-    return start is not None and start == labels.get(START_LABEL)
-
-
-def _expired(labels: Mapping[str, str], now: float) -> bool:
-    try:
-        return float(labels.get(EXPIRES_LABEL, "inf")) < now
-    except ValueError:
-        return False
-
-
 def _client() -> Any:
     import docker
 
     # No per-request read timeout: an exec's output arrives when the command ends.
     return docker.from_env(timeout=24 * 3600)
-
-
-def _count(text: str, key: str) -> int:
-    total = 0
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) == 2 and parts[0] == key and parts[1].isdigit():
-            total += int(parts[1])
-    return total
 
 
 class DockerSandbox(Sandbox):
@@ -177,7 +123,7 @@ class DockerSandbox(Sandbox):
         except SandboxError:
             return self._oom_seen, self._pids_seen
         text = out.decode(errors="replace")
-        return _count(text, "oom_kill"), _count(text, "max")
+        return event_count(text, "oom_kill"), event_count(text, "max")
 
     async def exec(
         self,
@@ -545,21 +491,12 @@ class DockerProvider(SandboxProvider):
         return self._client
 
     def _labels(self, name: str, spec: SandboxSpec) -> dict[str, str]:
-        pid = os.getpid()
-        labels = dict(spec.labels)
-        labels.update(
-            {
-                OWNER_LABEL: self.owner,
-                SANDBOX_LABEL: name,
-                HOST_LABEL: socket.gethostname(),
-                BOOT_LABEL: _boot_id(),
-                PID_LABEL: str(pid),
-                START_LABEL: _proc_start(pid) or "",
-            }
-        )
-        if spec.ttl_s is not None:
-            labels[EXPIRES_LABEL] = f"{time.time() + spec.ttl_s:.3f}"
-        return labels
+        return {
+            **spec.labels,
+            OWNER_LABEL: self.owner,
+            SANDBOX_LABEL: name,
+            **owner_labels(spec.ttl_s),
+        }
 
     async def create(self, spec: SandboxSpec) -> Sandbox:
         if spec.rootfs is not None:
@@ -650,16 +587,12 @@ class DockerProvider(SandboxProvider):
             gone: set[str] = set()
             for c in client.containers.list(all=True, filters={"label": OWNER_LABEL}):
                 labels = c.labels or {}
-                if (
-                    _owner_alive(labels) is False
-                    or _expired(labels, now)
-                    or c.status in ("exited", "dead")
-                ):
+                if owner_gone(labels) or expired(labels, now) or c.status in ("exited", "dead"):
                     _remove(client, c.name)
                     gone.add(c.name)
             for v in client.volumes.list(filters={"label": OWNER_LABEL}):
                 labels = v.attrs.get("Labels") or {}
-                if v.name not in gone and (_owner_alive(labels) is False or _expired(labels, now)):
+                if v.name not in gone and (owner_gone(labels) or expired(labels, now)):
                     with contextlib.suppress(Exception):
                         _remove(client, v.name)
                         gone.add(v.name)
