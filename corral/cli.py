@@ -161,6 +161,18 @@ def cmd_bundle_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sandbox_image_build(args: argparse.Namespace) -> int:
+    from corral.sandboxes.image import build_image, inputs_hash
+
+    try:
+        built = build_image(args.tag, force=args.force)
+    except RuntimeError as exc:
+        print(f"corral sandbox image build: {exc}", file=sys.stderr)
+        return 1
+    print(f"{args.tag}: {'built' if built else 'cached'} (inputs {inputs_hash()})")
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from corral.run import DEFAULT_BUNDLE, run_main_job
 
@@ -288,6 +300,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     validate.add_argument("path", help="the bundle folder")
     validate.set_defaults(func=cmd_bundle_validate)
+
+    sandbox = sub.add_parser("sandbox", help="sandbox backends").add_subparsers(
+        dest="sandbox_command", required=True, metavar="ACTION"
+    )
+    image = sandbox.add_parser("image", help="the docker sandbox image").add_subparsers(
+        dest="image_command", required=True, metavar="ACTION"
+    )
+    build = image.add_parser(
+        "build",
+        help="build the docker sandbox image without a registry (debootstrap + docker import)",
+        description="Debootstraps a minimal Debian root with python3 and imports it into the "
+        "daemon DOCKER_HOST names. Cached: an image whose input-hash label matches is reused. "
+        "Needs root, debootstrap, docker and a Debian mirror (CORRAL_DEBIAN_MIRROR).",
+    )
+    build.add_argument("--tag", default="corral-sandbox:py3")
+    build.add_argument("--force", action="store_true", help="rebuild even when cached")
+    build.set_defaults(func=cmd_sandbox_image_build)
 
     engine = sub.add_parser(
         "engine",

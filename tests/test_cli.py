@@ -91,3 +91,20 @@ def test_bundle_validate_accepts_gridsim_and_explains_a_broken_bundle(tmp_path: 
     )
     assert bad.returncode == 1
     assert "problem(s) found" in bad.stderr and "bundle.toml" in bad.stderr
+
+
+def test_serve_says_which_sandbox_isolates_and_refuses_a_bundle_that_needs_one() -> None:
+    out = subprocess.run([*CORRAL, "serve", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "NO isolation" in " ".join(out.stdout.split())
+    for backend in ("local", "bwrap", "docker", "kubernetes", "e2b"):
+        assert backend in out.stdout
+    root = Path(__file__).resolve().parent.parent
+    refused = subprocess.run(
+        [*CORRAL, "serve", str(root / "bundles" / "shellcraft"), "--port", "1"],
+        capture_output=True,
+        text=True,
+    )
+    assert refused.returncode == 2
+    assert "needs a sandbox" in refused.stderr and "--sandbox bwrap or docker" in refused.stderr
+    image = subprocess.run([*CORRAL, "sandbox", "image", "build", "--help"], capture_output=True)
+    assert image.returncode == 0 and b"debootstrap" in image.stdout
