@@ -1,0 +1,302 @@
+"""The episode player: one row played through the gateway against its env server.
+
+:meth:`Player.play` opens a gateway session and an episode on the row's env server, then runs
+the turn loop through the session's own OpenAI endpoint with the official ``openai`` async
+client, so a rollout takes exactly the path a black-box agent takes: the model's tool calls go
+to the episode as steps, their observations come back as ``tool`` messages, and a reply with no
+tool call ends the model's turn (``end_turn``). When the episode ends the env server's verifier
+has scored it; the player sets that reward on the session and returns the session's samples.
+
+Failure is explicit (:attr:`Rollout.failed`, :attr:`Rollout.reason`, and every sample's status
+``failed``), never a reward of 0 as if the model had played badly:
+
+- the env failed: it could not start, a call overran its deadline, it raised, the server went
+  away (``env: ...``);
+- the model missed ``model_timeout`` or the gateway refused the call (``model: ...``);
+- the episode ended without a reward (the verifier or reward failed: ``no reward: ...``).
+
+A model that runs out of ``max_turns`` is not a failure: the player ends the turn, the episode
+is graded on what the model did. A server at its capacity, or one that is restarting, delays
+the reset up to ``reset_timeout`` instead of failing it. A session that recorded no turn (the
+model was never called) comes back as one aborted sample with ``remove_sample`` set.
+Cancellation (a trainer with enough samples) closes the episode and deletes the session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from corral.adapters.gateway_admin import GatewayAdmin, GatewayAdminError, SessionHandle
+from corral.adapters.rows import Row
+from corral.envs.client import EnvClient, EnvClientError, EnvServerError
+from corral.envs.protocol import ObservationData
+from corral.gateway.samples import Sample
+
+END_TURN = "end_turn"
+# Errors worth waiting out within reset_timeout: the server is full or not up (yet).
+_RETRY_RESET = frozenset({"CAPACITY_REACHED", "SESSION_ERROR"})
+_RESET_RETRY_S = 0.5
+
+
+class PlayerError(Exception):
+    """The row cannot be played at all (a bad row, a token variable that is not set, a gateway
+    that refuses sessions): a configuration problem, not a failed rollout."""
+
+
+class RolloutFailed(Exception):
+    """Internal: ends the turn loop with the reason the rollout is flagged with."""
+
+
+@dataclass(frozen=True)
+class RolloutTiming:
+    """Wall time of one rollout: in the model (gateway + engine), in tools (the env server),
+    and in all (the rest is corral's own: sessions, samples, bookkeeping)."""
+
+    model_s: float
+    tools_s: float
+    total_s: float
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One played row. ``reward`` is ``None`` exactly when ``failed``; ``samples`` are the
+    session's (every one carries the reward, or status ``failed``)."""
+
+    row: Row
+    session_id: str
+    samples: list[Sample]
+    reward: float | None
+    failed: bool
+    reason: str | None
+    scores: dict[str, float]
+    turns: int
+    messages: list[dict[str, Any]]
+    timing: RolloutTiming
+
+
+@dataclass
+class _Episode:
+    """What the turn loop learned (filled as it goes)."""
+
+    messages: list[dict[str, Any]]
+    reward: float | None = None
+    scores: dict[str, float] = field(default_factory=dict)
+    done: bool = False
+    turns: int = 0
+    model_s: float = 0.0
+    tools_s: float = 0.0
+
+
+class Player:
+    """Plays rows through the gateway behind ``gateway``. ``sampling``: overrides every
+    session's sampling (temperature, top_p, top_k, max_tokens, seed, stop). ``env``: where a
+    row's token variable is looked up (default ``os.environ``)."""
+
+    def __init__(
+        self,
+        gateway: GatewayAdmin,
+        *,
+        sampling: dict[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
+        model: str = "corral",
+    ) -> None:
+        self.gateway = gateway
+        self.sampling = dict(sampling or {})
+        self.env = env if env is not None else os.environ
+        self.model = model
+
+    def _token(self, row: Row) -> str | None:
+        var = row.metadata.env.token_var
+        if var is None:
+            return None
+        token = self.env.get(var)
+        if not token:
+            raise PlayerError(f"the row's env server token variable {var} is not set")
+        return token
+
+    async def play(
+        self,
+        row: Row | dict[str, Any],
+        *,
+        group_index: int | None = None,
+        index: int | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> Rollout:
+        """Play ``row`` once (see the module docstring for what fails and how).
+        :class:`PlayerError` for a row that cannot be played at all."""
+        started = time.monotonic()
+        try:
+            row = row if isinstance(row, Row) else Row.model_validate(row)
+        except ValueError as exc:
+            raise PlayerError(f"not a corral row: {exc}") from exc
+        token = self._token(row)
+        meta = row.metadata
+        tags = {"task_id": meta.task_id, "split": meta.split, "index": meta.index}
+        try:
+            session = await self.gateway.open_session(
+                metadata={**tags, **(metadata or {})},
+                group_index=group_index,
+                index=index,
+                sampling=self.sampling,
+            )
+        except GatewayAdminError as exc:
+            raise PlayerError(f"the gateway opened no session: {exc}") from exc
+        try:
+            episode = _Episode(messages=[dict(m) for m in row.messages])
+            reason: str | None = None
+            try:
+                await self._episode(row, session, token, episode)
+            except RolloutFailed as exc:
+                reason = str(exc)
+            if reason is None and episode.reward is None:
+                reason = "no reward: the episode ended without one"
+            if reason is not None:
+                await self.gateway.fail(session.id, reason)
+            else:
+                assert episode.reward is not None
+                await self.gateway.set_reward(session.id, episode.reward)
+            samples = await self.gateway.samples(session.id) or [
+                _aborted(
+                    session.id,
+                    {**tags, "failure": reason or "no turn was recorded"},
+                    group_index,
+                    index,
+                )  # fmt: skip
+            ]
+        finally:
+            # Shielded: a cancelled rollout still deletes its session (and never leaks it).
+            with contextlib.suppress(GatewayAdminError):
+                await asyncio.shield(self.gateway.close_session(session.id))
+        return Rollout(
+            row=row,
+            session_id=session.id,
+            samples=samples,
+            reward=None if reason else episode.reward,
+            failed=reason is not None,
+            reason=reason,
+            scores=episode.scores,
+            turns=episode.turns,
+            messages=episode.messages,
+            timing=RolloutTiming(episode.model_s, episode.tools_s, time.monotonic() - started),
+        )
+
+    async def _episode(
+        self, row: Row, session: SessionHandle, token: str | None, episode: _Episode
+    ) -> None:
+        from openai import APIError, APITimeoutError, AsyncOpenAI
+
+        ref = row.metadata.env
+        client = EnvClient(
+            ref.url, token, timeout=ref.tool_timeout + 5.0, reset_timeout=ref.reset_timeout + 5.0
+        )
+        model = AsyncOpenAI(
+            base_url=session.base_url,
+            api_key=session.api_key,
+            timeout=ref.model_timeout,
+            max_retries=0,  # the deadline is model_timeout; the gateway answers or says why
+        )
+        try:
+            await self._reset(client, row)
+            for _ in range(ref.max_turns):
+                t0 = time.monotonic()
+                try:
+                    reply = await asyncio.wait_for(
+                        model.chat.completions.create(
+                            model=self.model,
+                            messages=episode.messages,  # type: ignore[arg-type]
+                            tools=row.metadata.tools,  # type: ignore[arg-type]
+                        ),
+                        ref.model_timeout,
+                    )
+                except (TimeoutError, APITimeoutError):
+                    raise RolloutFailed(
+                        f"model: no answer within model_timeout ({ref.model_timeout:g} s)"
+                    ) from None
+                except APIError as exc:
+                    raise RolloutFailed(f"model: the gateway refused the call: {exc}") from exc
+                finally:
+                    episode.model_s += time.monotonic() - t0
+                episode.turns += 1
+                message = reply.choices[0].message.model_dump(exclude_none=True)
+                episode.messages.append(message)
+                calls = message.get("tool_calls") or []
+                if not calls:
+                    await self._step(client, episode, END_TURN, "{}")
+                for call in calls:
+                    if episode.done:
+                        break
+                    fn = call.get("function") or {}
+                    content = await self._step(
+                        client, episode, str(fn.get("name")), fn.get("arguments") or "{}"
+                    )
+                    episode.messages.append(
+                        {"role": "tool", "tool_call_id": call.get("id"), "content": content}
+                    )
+                if episode.done:
+                    return
+            # Out of turns: end the turn so the verifier grades what the model did.
+            await self._step(client, episode, END_TURN, "{}")
+        finally:
+            await model.close()
+            with contextlib.suppress(Exception):
+                await asyncio.shield(client.close())
+
+    async def _reset(self, client: EnvClient, row: Row) -> None:
+        """Start the row's episode, waiting within ``reset_timeout`` for a full or restarting
+        server."""
+        ref, meta = row.metadata.env, row.metadata
+        deadline = time.monotonic() + ref.reset_timeout
+        while True:
+            try:
+                await client.reset(meta.split, meta.index)
+                return
+            except EnvServerError as exc:
+                if exc.code not in _RETRY_RESET or time.monotonic() >= deadline:
+                    raise RolloutFailed(f"env: the episode did not start: {exc}") from exc
+            except EnvClientError as exc:  # not reachable (yet): a restart
+                if time.monotonic() >= deadline:
+                    raise RolloutFailed(f"env: the episode did not start: {exc}") from exc
+            await asyncio.sleep(_RESET_RETRY_S)  # a retry interval, not synchronisation
+
+    async def _step(self, client: EnvClient, episode: _Episode, name: str, arguments: str) -> str:
+        """Send one tool call; the observation text the model reads. Records the reward and
+        scores when the episode ends; :class:`RolloutFailed` when the env fails."""
+        t0 = time.monotonic()
+        try:
+            out: ObservationData = await client.call_tool(name, arguments)
+        except (EnvServerError, EnvClientError) as exc:
+            raise RolloutFailed(f"env: {exc}") from exc
+        finally:
+            episode.tools_s += time.monotonic() - t0
+        obs = out.observation
+        if out.done:
+            episode.done = True
+            episode.reward = out.reward
+            episode.scores = dict(obs.scores or {})
+            if out.reward is None:
+                raise RolloutFailed(f"no reward: {obs.error or 'the verifier gave none'}")
+        return obs.content
+
+
+def _aborted(
+    session_id: str, metadata: dict[str, Any], group_index: int | None, index: int | None
+) -> Sample:
+    """The one sample of a session that recorded no turn: nothing to train on."""
+    return Sample(
+        group_index=group_index,
+        index=index,
+        tokens=[],
+        response_length=0,
+        loss_mask=[],
+        rollout_log_probs=[],
+        status="aborted",
+        metadata=metadata,
+        rollout_id=session_id,
+        remove_sample=True,
+    )

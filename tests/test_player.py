@@ -1,0 +1,282 @@
+"""The episode player against real local servers: the tiny model on the local engine, the
+gateway, and env servers for gridsim and a weather bundle built here.
+
+The tiny model was imprinted to call a ``get_weather(city)`` tool, so the weather bundle (whose
+one tool has that name) gets real tool calls from it; each of its tasks says how its env
+behaves (answer, raise, hang, or a verifier that crashes) to drive every failure path. In
+gridsim the tiny model cannot play: it makes unknown-tool calls and is graded on an empty
+schedule (a real reward of 0, not a failure).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from corral.adapters.gateway_admin import GatewayAdmin
+from corral.adapters.player import Player, PlayerError
+from corral.adapters.rows import Row, RowSettings, write_rows
+from corral.envs.client import EnvClient
+from corral.envs.server import build_app
+from corral.stack import local_stack
+from tests.conftest import ROOT
+from tests.servers import serve
+
+ADMIN = "admin-secret"
+GREEDY = {"temperature": 0.0}
+
+WEATHER_TOML = """
+name = "weather"
+version = "1"
+system_prompt = "You can look up the weather."
+max_turns = 2
+
+[splits]
+train = "tasks/train.jsonl"
+
+[env]
+module = "env.py"
+class = "WeatherEnv"
+
+[reward]
+score = "right_city"
+
+[[tools]]
+name = "get_weather"
+description = "The current weather in a city."
+
+[tools.parameters]
+type = "object"
+required = ["city"]
+[tools.parameters.properties.city]
+type = "string"
+"""
+
+WEATHER_ENV = """
+import time
+from corral.envs.episode import ToolOutcome
+
+
+class WeatherEnv:
+    def reset(self, task):
+        self.task, self.asked = task, []
+        return task.prompt
+
+    def call_tool(self, name, arguments):
+        mode = self.task.data["mode"]
+        if mode == "raise":
+            raise RuntimeError("the weather service is down")
+        if mode == "hang":
+            time.sleep(5)
+        self.asked.append(arguments.get("city"))
+        return ToolOutcome(f"sunny in {arguments.get('city')}", done=True)
+
+    def state(self):
+        return {"asked": self.asked}
+"""
+
+WEATHER_VERIFIER = """
+def grade(task, state):
+    if task.data["mode"] == "crash":
+        raise ValueError("the verifier crashed on purpose")
+    return {"right_city": float(state["asked"] == [task.data["city"]])}
+"""
+
+MODES = ("ok", "raise", "hang", "crash")
+
+
+@pytest.fixture(scope="module")
+def weather_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("bundles") / "weather"
+    (root / "tasks").mkdir(parents=True)
+    (root / "bundle.toml").write_text(WEATHER_TOML)
+    (root / "env.py").write_text(WEATHER_ENV)
+    (root / "verifier.py").write_text(WEATHER_VERIFIER)
+    lines = [
+        {"id": f"w-{mode}", "prompt": "What is the weather in Paris?", "data": {"mode": mode,
+         "city": "Paris"}}
+        for mode in MODES
+    ]  # fmt: skip
+    (root / "tasks" / "train.jsonl").write_text("".join(json.dumps(t) + "\n" for t in lines))
+    return root
+
+
+@dataclass
+class Stack:
+    gateway: str
+    model_dir: Path
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir: Path) -> Iterator[Stack]:
+    with local_stack(tiny_model_dir, admin_token=ADMIN) as urls:
+        yield Stack(urls.gateway, tiny_model_dir)
+
+
+async def _rows(
+    url: str, tmp_path: Path, token: str | None = None, **settings: Any
+) -> dict[str, Row]:
+    # write_rows runs its own event loop: off this one.
+    out = tmp_path / "rows"
+    await asyncio.to_thread(write_rows, url, out, RowSettings(**settings), token=token)
+    rows = [json.loads(line) for line in (out / "all.jsonl").read_text().splitlines()]
+    return {r["metadata"]["task_id"]: Row.model_validate(r) for r in rows}
+
+
+async def _play(stack: Stack, row: Row, **kw: Any) -> Any:
+    async with GatewayAdmin(stack.gateway, ADMIN) as admin:
+        return await Player(admin, sampling=GREEDY).play(row, **kw)
+
+
+async def test_a_weather_rollout_is_token_exact_and_carries_the_reward(
+    stack: Stack, weather_bundle: Path, tmp_path: Path
+) -> None:
+    with serve(build_app(weather_bundle)) as url:
+        row = (await _rows(url, tmp_path))["w-ok"]
+        rollout = await _play(stack, row, group_index=3, index=7, metadata={"run": "t"})
+    assert not rollout.failed and rollout.reason is None
+    assert rollout.reward == 1.0 and rollout.scores == {"right_city": 1.0}
+    assert rollout.turns == 1
+    (sample,) = rollout.samples
+    assert sample.reward == 1.0 and sample.status == "completed"
+    assert sample.rollout_id == rollout.session_id
+    assert (sample.group_index, sample.index) == (3, 7)
+    assert sample.metadata["task_id"] == "w-ok" and sample.metadata["run"] == "t"
+    # Token-exact: the prompt is the chat template's rendering of the row with its tools, and
+    # the model's tokens decode to the assistant's tool call.
+    tok = AutoTokenizer.from_pretrained(stack.model_dir)
+    text = tok.apply_chat_template(
+        row.messages, tools=row.metadata.tools, add_generation_prompt=True, tokenize=False
+    )
+    prompt = tok(text, add_special_tokens=False)["input_ids"]
+    assert sample.tokens[: sample.prompt_length] == list(prompt)
+    model_tokens = [t for t, m in zip(sample.tokens[sample.prompt_length :], sample.loss_mask,
+                                      strict=True) if m]  # fmt: skip
+    assert "get_weather" in tok.decode(model_tokens) and "Paris" in tok.decode(model_tokens)
+    assert all(lp <= 0.0 for lp in sample.rollout_log_probs)
+
+
+async def test_a_gridsim_rollout_is_graded_even_when_the_model_cannot_play(
+    stack: Stack, tmp_path: Path
+) -> None:
+    with serve(build_app(ROOT / "bundles" / "gridsim")) as url:
+        rows = await _rows(url, tmp_path, max_turns=2)
+        row = next(r for r in rows.values() if r.metadata.split == "eval")
+        rollout = await _play(stack, row)
+    assert not rollout.failed and rollout.reward == 0.0  # no schedule submitted: graded 0
+    assert 1 <= rollout.turns <= 2 and rollout.samples
+    assert rollout.messages[-1]["role"] in ("assistant", "tool")
+    assert all(s.reward == 0.0 and s.status != "failed" for s in rollout.samples)
+    assert rollout.timing.model_s > 0 and rollout.timing.tools_s > 0
+    assert rollout.timing.total_s >= rollout.timing.model_s + rollout.timing.tools_s
+
+
+@pytest.mark.parametrize(
+    ("mode", "reason"),
+    [
+        ("raise", "env: EXECUTION_ERROR: the env raised RuntimeError: the weather service is down"),
+        ("hang", "env: TOOL_TIMEOUT"),
+        ("crash", "no reward: the verifier crashed on purpose"),
+    ],
+)
+async def test_env_and_verifier_failures_flag_the_rollout(
+    stack: Stack, weather_bundle: Path, tmp_path: Path, mode: str, reason: str
+) -> None:
+    with serve(build_app(weather_bundle, tool_timeout=1.0)) as url:
+        rollout = await _play(stack, (await _rows(url, tmp_path, tool_timeout=1.0))[f"w-{mode}"])
+    assert rollout.failed and rollout.reward is None
+    assert rollout.reason is not None and rollout.reason.startswith(reason.split(":")[0])
+    assert reason.split(": ", 1)[1] in rollout.reason
+    assert rollout.samples and all(s.status == "failed" for s in rollout.samples)
+    assert all(s.metadata.get("failure") == rollout.reason for s in rollout.samples)
+
+
+async def test_a_model_timeout_flags_the_rollout_and_no_turn_gives_an_aborted_sample(
+    stack: Stack, weather_bundle: Path, tmp_path: Path
+) -> None:
+    with serve(build_app(weather_bundle)) as url:
+        rollout = await _play(stack, (await _rows(url, tmp_path, model_timeout=0.001))["w-ok"])
+        async with EnvClient(url) as probe:  # the episode was closed: the server has room
+            await probe.reset(split="train", index=0)
+    assert rollout.failed and rollout.reason is not None
+    assert rollout.reason.startswith("model: no answer within model_timeout")
+    (sample,) = rollout.samples
+    assert sample.remove_sample and sample.status == "aborted" and sample.tokens == []
+    assert sample.rollout_id == rollout.session_id
+
+
+async def test_a_full_server_delays_the_rollout_instead_of_failing_it(
+    stack: Stack, weather_bundle: Path, tmp_path: Path
+) -> None:
+    app = build_app(weather_bundle, max_concurrent_envs=1)
+    manager = app.state.episodes
+    with serve(app) as url:
+        row = (await _rows(url, tmp_path))["w-ok"]
+        async with EnvClient(url) as blocker:
+            await blocker.reset(split="train", index=0)
+            waiting = asyncio.Event()
+            loop = asyncio.get_running_loop()  # the hook runs on the server's thread
+            manager.on_capacity_wait = lambda: loop.call_soon_threadsafe(waiting.set)
+            play = asyncio.ensure_future(_play(stack, row))
+            await waiting.wait()  # the player's reset is waiting for room
+        # the blocker's episode closed with its socket: the player gets the room
+        rollout = await play
+    assert not rollout.failed and rollout.reward == 1.0
+
+
+async def test_cancelling_a_rollout_closes_its_episode_and_deletes_its_session(
+    stack: Stack, weather_bundle: Path, tmp_path: Path
+) -> None:
+    app = build_app(weather_bundle, tool_timeout=60.0)
+    manager = app.state.episodes
+    with serve(app) as url:
+        row = (await _rows(url, tmp_path))["w-hang"]
+        async with GatewayAdmin(stack.gateway, ADMIN) as admin:
+            opened: list[str] = []
+            real_open = admin.open_session
+
+            async def open_session(**kw: Any) -> Any:
+                handle = await real_open(**kw)
+                opened.append(handle.id)
+                return handle
+
+            admin.open_session = open_session  # type: ignore[method-assign]
+            play = asyncio.ensure_future(Player(admin, sampling=GREEDY).play(row))
+            # The episode is live (its tool hangs) once the server counts it: the server runs
+            # in another thread, so this polls it (an interval, not synchronisation).
+            while manager.active == 0 or not opened:  # noqa: ASYNC110
+                await asyncio.sleep(0.02)
+            play.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await play
+            async with httpx.AsyncClient() as http:
+                gone = await http.get(
+                    f"{stack.gateway}/sessions/{opened[0]}",
+                    headers={"Authorization": f"Bearer {ADMIN}"},
+                )
+            assert gone.status_code == 404
+        while manager.active:  # noqa: ASYNC110 -- until the server notices the closed socket
+            await asyncio.sleep(0.02)
+        assert manager.active == 0
+
+
+async def test_a_row_whose_token_variable_is_unset_is_refused(
+    stack: Stack, weather_bundle: Path, tmp_path: Path
+) -> None:
+    with serve(build_app(weather_bundle, token="s3cret")) as url:
+        row = (await _rows(url, tmp_path, token="s3cret", token_var="WEATHER_TOKEN"))["w-ok"]
+        async with GatewayAdmin(stack.gateway, ADMIN) as admin:
+            with pytest.raises(PlayerError, match="WEATHER_TOKEN is not set"):
+                await Player(admin, env={}).play(row)
+            rollout = await Player(admin, env={"WEATHER_TOKEN": "s3cret"}, sampling=GREEDY).play(
+                row
+            )
+    assert rollout.reward == 1.0
