@@ -161,13 +161,9 @@ class Player:
             else:
                 assert episode.reward is not None
                 await self.gateway.set_reward(session.id, episode.reward)
+            why = reason or "no turn was recorded"
             samples = await self.gateway.samples(session.id) or [
-                _aborted(
-                    session.id,
-                    {**tags, "failure": reason or "no turn was recorded"},
-                    group_index,
-                    index,
-                )  # fmt: skip
+                _aborted(session.id, {**tags, "failure": why}, group_index, index)
             ]
         finally:
             # Shielded: a cancelled rollout still deletes its session (and never leaks it).
