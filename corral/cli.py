@@ -161,6 +161,78 @@ def cmd_bundle_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def read_rows(path: Path, split: str | None, limit: int | None) -> list[Any]:
+    """The rows of a rows file (``corral rows`` output), of ``split`` only when given."""
+    from corral.adapters.rows import Row
+
+    rows = []
+    with path.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = Row.model_validate_json(line)
+            except ValueError as exc:
+                raise SystemExit(f"corral: {path}:{lineno}: not a corral row: {exc}") from None
+            if split is None or row.metadata.split == split:
+                rows.append(row)
+    if not rows:
+        raise SystemExit(f"corral: {path} has no rows" + (f" of split {split!r}" if split else ""))
+    return rows[:limit] if limit is not None else rows
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from corral.adapters.evals import eval_rows, write_eval
+    from corral.adapters.player import PlayerError
+
+    rows = read_rows(Path(args.rows), args.split or None, args.limit)
+    admin = _token_from_env(args.admin_token_var, "--admin-token-var")
+    env_token = _token_from_env(rows[0].metadata.env.token_var, "the rows' env token")
+    sampling = {"temperature": args.temperature} if args.temperature is not None else None
+    console = Console()
+    with Progress(console=console) as progress:
+        bar = progress.add_task("episodes", total=len(rows) * args.n)
+        try:
+            report = asyncio.run(
+                eval_rows(
+                    rows,
+                    args.gateway,
+                    admin_token=admin,
+                    env_token=env_token,
+                    n=args.n,
+                    concurrency=args.concurrency,
+                    sampling=sampling,
+                    on_episode=lambda _: progress.advance(bar),
+                )
+            )
+        except PlayerError as exc:
+            console.print(f"[red]corral eval: {exc}")
+            return 1
+    out = Path(args.out)
+    write_eval(report, out)
+    table = Table(title=f"eval of {args.rows} ({args.split or 'all splits'}, n={args.n})")
+    for col in ("group", "episodes", "mean ± se", "graded 0", "failed"):
+        table.add_column(col)
+    named = [(f"{report.group_by} = {g}", s) for g, s in report.groups.items()]
+    for name, stats in [*named, ("all", report.overall)]:
+        table.add_row(
+            name,
+            str(stats.episodes),
+            "-" if stats.mean is None else f"{stats.mean:.3f} ± {stats.se or 0.0:.3f}",
+            "-" if stats.zero_share is None else f"{stats.zero_share:.0%}",
+            str(stats.failed),
+        )
+    console.print(table)
+    console.print(f"mean reward {report.overall.line()}; episodes in {out / 'episodes.jsonl'}")
+    return 0
+
+
 def cmd_sandbox_image_build(args: argparse.Namespace) -> int:
     from corral.sandboxes.image import build_image, inputs_hash
 
@@ -288,6 +360,26 @@ def build_parser() -> argparse.ArgumentParser:
     rows.add_argument("--model-timeout", type=float, default=600.0)
     rows.add_argument("--token-var", metavar="NAME", help="environment variable with the token")
     rows.set_defaults(func=cmd_rows)
+
+    ev = sub.add_parser(
+        "eval",
+        help="play a split's rows through the gateway and report the mean reward",
+        description="Plays each row (n times) with the episode player through the gateway "
+        "against the rows' env server, with a progress bar; prints the mean reward with its "
+        "standard error (per group too when the bundle names [eval] group_by, e.g. gridsim's "
+        "battery size); failed episodes are counted apart, never as 0. Writes every episode "
+        "to OUT/episodes.jsonl and the summary to OUT/summary.json.",
+    )
+    ev.add_argument("rows", help="a rows file (JSONL), e.g. rows/eval.jsonl")
+    ev.add_argument("--gateway", required=True, help="the gateway's URL")
+    ev.add_argument("--admin-token-var", metavar="NAME", help="variable with the admin token")
+    ev.add_argument("--split", default="eval", help="only rows of this split ('' for all)")
+    ev.add_argument("--n", type=int, default=1, help="rollouts per task")
+    ev.add_argument("--limit", type=int, help="at most this many rows")
+    ev.add_argument("--concurrency", type=int, default=8)
+    ev.add_argument("--temperature", type=float, help="override the sampling temperature")
+    ev.add_argument("--out", default=".corral/eval", help="where episodes and summary go")
+    ev.set_defaults(func=cmd_eval)
 
     bundle = sub.add_parser("bundle", help="env bundles").add_subparsers(
         dest="bundle_command", required=True, metavar="ACTION"

@@ -29,84 +29,15 @@ from corral.envs.server import build_app
 from corral.stack import local_stack
 from tests.conftest import ROOT
 from tests.servers import serve
+from tests.weather import write_weather_bundle
 
 ADMIN = "admin-secret"
 GREEDY = {"temperature": 0.0}
 
-WEATHER_TOML = """
-name = "weather"
-version = "1"
-system_prompt = "You can look up the weather."
-max_turns = 2
-
-[splits]
-train = "tasks/train.jsonl"
-
-[env]
-module = "env.py"
-class = "WeatherEnv"
-
-[reward]
-score = "right_city"
-
-[[tools]]
-name = "get_weather"
-description = "The current weather in a city."
-
-[tools.parameters]
-type = "object"
-required = ["city"]
-[tools.parameters.properties.city]
-type = "string"
-"""
-
-WEATHER_ENV = """
-import time
-from corral.envs.episode import ToolOutcome
-
-
-class WeatherEnv:
-    def reset(self, task):
-        self.task, self.asked = task, []
-        return task.prompt
-
-    def call_tool(self, name, arguments):
-        mode = self.task.data["mode"]
-        if mode == "raise":
-            raise RuntimeError("the weather service is down")
-        if mode == "hang":
-            time.sleep(5)
-        self.asked.append(arguments.get("city"))
-        return ToolOutcome(f"sunny in {arguments.get('city')}", done=True)
-
-    def state(self):
-        return {"asked": self.asked}
-"""
-
-WEATHER_VERIFIER = """
-def grade(task, state):
-    if task.data["mode"] == "crash":
-        raise ValueError("the verifier crashed on purpose")
-    return {"right_city": float(state["asked"] == [task.data["city"]])}
-"""
-
-MODES = ("ok", "raise", "hang", "crash")
-
 
 @pytest.fixture(scope="module")
 def weather_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("bundles") / "weather"
-    (root / "tasks").mkdir(parents=True)
-    (root / "bundle.toml").write_text(WEATHER_TOML)
-    (root / "env.py").write_text(WEATHER_ENV)
-    (root / "verifier.py").write_text(WEATHER_VERIFIER)
-    lines = [
-        {"id": f"w-{mode}", "prompt": "What is the weather in Paris?", "data": {"mode": mode,
-         "city": "Paris"}}
-        for mode in MODES
-    ]  # fmt: skip
-    (root / "tasks" / "train.jsonl").write_text("".join(json.dumps(t) + "\n" for t in lines))
-    return root
+    return write_weather_bundle(tmp_path_factory.mktemp("bundles") / "weather")
 
 
 @dataclass

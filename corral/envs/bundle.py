@@ -153,6 +153,13 @@ class RewardSpec(_Model):
         return value
 
 
+class EvalSpec(_Model):
+    """``[eval]``: how evals break a split's mean down. ``group_by``: a dotted path into each
+    task's ``data`` (e.g. ``"battery.capacity_mwh"``) whose value names the task's group."""
+
+    group_by: str | None = Field(default=None, pattern=r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
 class BundleManifest(_Model):
     """``bundle.toml``, validated. Paths in it are relative to the bundle folder."""
 
@@ -167,6 +174,7 @@ class BundleManifest(_Model):
     verifier: VerifierSpec = VerifierSpec()
     reward: RewardSpec
     tools: list[ToolSpec] = Field(default_factory=list)
+    eval: EvalSpec = EvalSpec()
 
 
 class _TaskLine(_Model):

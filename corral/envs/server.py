@@ -700,7 +700,10 @@ def build_app(
 
     @app.get("/splits", dependencies=authed)
     async def splits() -> dict[str, Any]:
-        return {"splits": [{"name": s, "tasks": len(loaded.tasks(s))} for s in loaded.splits]}
+        return {
+            "splits": [{"name": s, "tasks": len(loaded.tasks(s))} for s in loaded.splits],
+            "group_by": loaded.manifest.eval.group_by,
+        }
 
     @app.get("/tasks/{split}", dependencies=authed)
     async def tasks(split: str) -> dict[str, Any]:

@@ -1,0 +1,85 @@
+"""A bundle the tiny model can play: its one tool is ``get_weather(city)``, the tool the model
+was imprinted to call. Each task's ``mode`` says how its env behaves, to drive every path of a
+rollout: ``ok`` answers and ends the episode (graded 1 when the model asked for the task's
+city), ``raise`` raises, ``hang`` sleeps past a short tool timeout, ``crash`` makes the verifier
+raise."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+WEATHER_TOML = """
+name = "weather"
+version = "1"
+system_prompt = "You can look up the weather."
+max_turns = 2
+
+[splits]
+train = "tasks/train.jsonl"
+
+[env]
+module = "env.py"
+class = "WeatherEnv"
+
+[reward]
+score = "right_city"
+
+[[tools]]
+name = "get_weather"
+description = "The current weather in a city."
+
+[tools.parameters]
+type = "object"
+required = ["city"]
+[tools.parameters.properties.city]
+type = "string"
+"""
+
+WEATHER_ENV = """
+import time
+from corral.envs.episode import ToolOutcome
+
+
+class WeatherEnv:
+    def reset(self, task):
+        self.task, self.asked = task, []
+        return task.prompt
+
+    def call_tool(self, name, arguments):
+        mode = self.task.data["mode"]
+        if mode == "raise":
+            raise RuntimeError("the weather service is down")
+        if mode == "hang":
+            time.sleep(5)
+        self.asked.append(arguments.get("city"))
+        return ToolOutcome(f"sunny in {arguments.get('city')}", done=True)
+
+    def state(self):
+        return {"asked": self.asked}
+"""
+
+WEATHER_VERIFIER = """
+def grade(task, state):
+    if task.data["mode"] == "crash":
+        raise ValueError("the verifier crashed on purpose")
+    return {"right_city": float(state["asked"] == [task.data["city"]])}
+"""
+
+MODES = ("ok", "raise", "hang", "crash")
+
+
+def write_weather_bundle(root: Path, *, modes: tuple[str, ...] = MODES) -> Path:
+    """Write the bundle at ``root`` (one train task per mode, ids ``w-<mode>``); its evals
+    group by mode."""
+    (root / "tasks").mkdir(parents=True)
+    (root / "bundle.toml").write_text(WEATHER_TOML + '\n[eval]\ngroup_by = "mode"\n')
+    (root / "env.py").write_text(WEATHER_ENV)
+    (root / "verifier.py").write_text(WEATHER_VERIFIER)
+    lines = [
+        {"id": f"w-{mode}", "prompt": "What is the weather in Paris?",
+         "data": {"mode": mode, "city": "Paris"}}
+        for mode in modes
+    ]  # fmt: skip
+    (root / "tasks" / "train.jsonl").write_text("".join(json.dumps(t) + "\n" for t in lines))
+    return root
