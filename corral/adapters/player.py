@@ -110,6 +110,28 @@ class Player:
         self.sampling = dict(sampling or {})
         self.env = env if env is not None else os.environ
         self.model = model
+        # One HTTP client for every rollout's OpenAI client: building one loads the TLS trust
+        # store (about 30 ms here), which would otherwise be paid per rollout.
+        self._http: Any = None
+
+    def _http_client(self) -> Any:
+        if self._http is None:
+            from openai import DefaultAsyncHttpxClient
+
+            self._http = DefaultAsyncHttpxClient()
+        return self._http
+
+    async def aclose(self) -> None:
+        """Close the shared HTTP client (the gateway admin client is the caller's)."""
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+    async def __aenter__(self) -> Player:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
     def _token(self, row: Row) -> str | None:
         var = row.metadata.env.token_var
@@ -138,6 +160,12 @@ class Player:
         token = self._token(row)
         meta = row.metadata
         tags = {"task_id": meta.task_id, "split": meta.split, "index": meta.index}
+        ref = meta.env
+        client = EnvClient(
+            ref.url, token, timeout=ref.tool_timeout + 5.0, reset_timeout=ref.reset_timeout + 5.0
+        )
+        # The episode starts while the session opens: two round trips at once, not in turn.
+        reset = asyncio.ensure_future(self._reset(client, row))
         try:
             session = await self.gateway.open_session(
                 metadata={**tags, **(metadata or {})},
@@ -145,13 +173,19 @@ class Player:
                 index=index,
                 sampling=self.sampling,
             )
-        except GatewayAdminError as exc:
-            raise PlayerError(f"the gateway opened no session: {exc}") from exc
+        except BaseException as exc:
+            reset.cancel()
+            with contextlib.suppress(BaseException):
+                await reset
+            await asyncio.shield(client.close())
+            if isinstance(exc, GatewayAdminError):
+                raise PlayerError(f"the gateway opened no session: {exc}") from exc
+            raise
         try:
             episode = _Episode(messages=[dict(m) for m in row.messages])
             reason: str | None = None
             try:
-                await self._episode(row, session, token, episode)
+                await self._episode(row, session, client, reset, episode)
             except RolloutFailed as exc:
                 reason = str(exc)
             if reason is None and episode.reward is None:
@@ -183,22 +217,26 @@ class Player:
         )
 
     async def _episode(
-        self, row: Row, session: SessionHandle, token: str | None, episode: _Episode
+        self,
+        row: Row,
+        session: SessionHandle,
+        client: EnvClient,
+        reset: asyncio.Future[None],
+        episode: _Episode,
     ) -> None:
+        """The turn loop, once ``reset`` (the episode's start) is done; closes ``client``."""
         from openai import APIError, APITimeoutError, AsyncOpenAI
 
         ref = row.metadata.env
-        client = EnvClient(
-            ref.url, token, timeout=ref.tool_timeout + 5.0, reset_timeout=ref.reset_timeout + 5.0
-        )
         model = AsyncOpenAI(
             base_url=session.base_url,
             api_key=session.api_key,
             timeout=ref.model_timeout,
             max_retries=0,  # the deadline is model_timeout; the gateway answers or says why
+            http_client=self._http_client(),
         )
         try:
-            await self._reset(client, row)
+            await reset
             for _ in range(ref.max_turns):
                 t0 = time.monotonic()
                 try:
@@ -239,7 +277,8 @@ class Player:
             # Out of turns: end the turn so the verifier grades what the model did.
             await self._step(client, episode, END_TURN, "{}")
         finally:
-            await model.close()
+            if not reset.done():
+                reset.cancel()
             with contextlib.suppress(Exception):
                 await asyncio.shield(client.close())
 
