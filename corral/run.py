@@ -8,10 +8,14 @@ Today, two stages on 127.0.0.1:
 2. the env server: serve the gridsim bundle with each episode's env in a sandbox of the
    ``sandbox`` backend (``local`` by default: a subprocess in a temporary folder, which runs on
    any machine), write its tasks as training rows, and play eval episodes over the WebSocket
-   protocol with a scripted idle policy (the bundle's floor, 0.2).
+   protocol with a scripted idle policy (the bundle's floor, 0.2);
+3. rollouts: play eval rows the way slime would, through slime's custom-generate contract
+   (:func:`corral.adapters.slime.generate`, with slime-shaped samples and the local engine as
+   slime's router): the adapter serves its own gateway, the player runs each episode through
+   it against the env server, and the samples (tokens, loss masks, logprobs, the verifier's
+   reward) are saved.
 
-The episode player (model through the gateway against the env server) and the trainer join
-this job as they land (DESIGN.md, "A rollout, end to end").
+The trainer joins this job as it lands (DESIGN.md, "A rollout, end to end").
 """
 
 from __future__ import annotations
@@ -139,7 +143,14 @@ async def _idle_episodes(url: str, split: str, count: int) -> list[float | None]
 
 
 def run_env_stage(
-    bundle: Path, out: Path, episodes: int, console: Console, sandbox: str = "local"
+    bundle: Path,
+    out: Path,
+    episodes: int,
+    console: Console,
+    sandbox: str = "local",
+    *,
+    engine_url: str,
+    model_dir: Path,
 ) -> None:
     from corral.adapters.rows import RowSettings, write_rows
     from corral.envs.server import build_app
@@ -149,6 +160,7 @@ def run_env_stage(
         console.print(f"env server {url} serving {bundle}, each episode in a {sandbox} sandbox")
         counts = write_rows(url, out / "rows", RowSettings())
         rewards = asyncio.run(_idle_episodes(url, "eval", episodes))
+        run_slime_stage(out, episodes, console, engine_url=engine_url, model_dir=model_dir)
     console.print(
         "rows: " + ", ".join(f"{name} {n}" for name, n in counts.items()) + f" in {out / 'rows'}"
     )
@@ -156,6 +168,68 @@ def run_env_stage(
         f"{len(rewards)} eval episodes with the idle policy over the WebSocket: rewards "
         f"{rewards} (the verifier grades idling 0.2)"
     )
+
+
+def run_slime_stage(
+    out: Path, episodes: int, console: Console, *, engine_url: str, model_dir: Path
+) -> None:
+    """Play ``episodes`` eval rows through slime's generate contract; save their samples."""
+    from argparse import Namespace
+    from urllib.parse import urlsplit
+
+    from corral.adapters import slime
+    from corral.adapters.slime_shapes import Sample
+
+    engine = urlsplit(engine_url)
+    args = Namespace(  # the fields slime's rollout process passes; the engine is its router
+        sglang_router_ip=engine.hostname,
+        sglang_router_port=engine.port,
+        hf_checkpoint=str(model_dir),
+        apply_chat_template_kwargs={},
+        rollout_max_context_len=None,
+    )
+    lines = (out / "rows" / "eval.jsonl").read_text().splitlines()[:episodes]
+    sampling = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 64}
+
+    async def play_all() -> list[list[Any]]:
+        played = []
+        for i, line in enumerate(track(lines, description="slime rollouts", console=console)):
+            row = json.loads(line)
+            sample = Sample(
+                group_index=i, index=i, prompt=row["messages"], metadata=row["metadata"]
+            )
+            played.append(await slime.generate(args, sample, dict(sampling)))
+        return played
+
+    try:
+        played = asyncio.run(play_all())
+    finally:
+        slime.shutdown()
+    table = Table(title="eval rows played through corral.adapters.slime.generate")
+    for col in ("task", "samples", "tokens", "model tokens", "status", "reward", "failure"):
+        table.add_column(col)
+    with (out / "slime-samples.jsonl").open("w") as f:
+        for samples in played:
+            first = samples[0]
+            for s in samples:
+                f.write(json.dumps(_sample_json(s)) + "\n")
+            table.add_row(
+                str(first.metadata.get("task_id")),
+                str(len(samples)),
+                str(sum(len(s.tokens) for s in samples)),
+                str(sum(sum(s.loss_mask or []) for s in samples)),
+                first.status.value,
+                f"{first.reward}",
+                str(first.metadata.get("failure") or ""),
+            )
+    console.print(table)
+    console.print(f"slime-shaped samples in {out / 'slime-samples.jsonl'}")
+
+
+def _sample_json(sample: Any) -> dict[str, Any]:
+    keys = ("group_index", "index", "rollout_id", "tokens", "response_length", "loss_mask",
+            "rollout_log_probs", "reward", "metadata", "remove_sample")  # fmt: skip
+    return {k: getattr(sample, k) for k in keys} | {"status": sample.status.value}
 
 
 def run_main_job(
@@ -177,6 +251,20 @@ def run_main_job(
         console.print(f"engine {urls.engine}  gateway {urls.gateway}")
         for i in track(range(episodes), description="episodes", console=console):
             results.append(play_episode(urls.gateway, rng, stream=i % 2 == 1))
+        _report_gateway_stage(results, out, console)
+        run_env_stage(
+            bundle,
+            workdir / "runs" / "gridsim",
+            episodes,
+            console,
+            sandbox,
+            engine_url=urls.engine,
+            model_dir=model_dir,
+        )
+    return 0
+
+
+def _report_gateway_stage(results: list[EpisodeResult], out: Path, console: Console) -> None:
 
     table = Table(title="episodes through the gateway")
     for col in (
@@ -212,5 +300,3 @@ def run_main_job(
         f"{sum(r.reward for r in results) / len(results):.2f}, {forks} forks; "
         f"samples in {out / 'samples.jsonl'}"
     )
-    run_env_stage(bundle, workdir / "runs" / "gridsim", episodes, console, sandbox)
-    return 0

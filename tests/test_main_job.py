@@ -1,0 +1,30 @@
+"""``corral run``, the README's main-job command, end to end on embedded defaults (the tiny
+model is taken from the test session's cache instead of being built again)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from corral.run import run_main_job
+
+
+def test_the_main_job_runs_the_whole_path(tiny_model_dir: Path, tmp_path: Path) -> None:
+    models = tmp_path / "work" / "models"
+    models.mkdir(parents=True)
+    shutil.copytree(tiny_model_dir, models / tiny_model_dir.name)  # a cache hit, not a build
+    assert run_main_job(workdir=tmp_path / "work", episodes=2) == 0
+    runs = tmp_path / "work" / "runs"
+    gateway_samples = (runs / "gateway-demo" / "samples.jsonl").read_text().splitlines()
+    assert len(gateway_samples) >= 2
+    rows = (runs / "gridsim" / "rows" / "all.jsonl").read_text().splitlines()
+    assert len(rows) == 2200
+    played = [json.loads(line) for line in (runs / "gridsim" / "slime-samples.jsonl").open()]
+    assert {s["metadata"]["task_id"] for s in played} == {"eval-0000", "eval-0001"}
+    for s in played:
+        # gridsim grades every episode: a reward (0 when the tiny model cannot play), no failure
+        assert s["reward"] is not None and "failure" not in s["metadata"]
+        assert s["status"] in ("completed", "truncated")
+        assert len(s["loss_mask"]) == len(s["rollout_log_probs"]) == s["response_length"]
+        assert sum(s["loss_mask"]) > 0
