@@ -163,19 +163,13 @@ def cmd_bundle_validate(args: argparse.Namespace) -> int:
 
 def read_rows(path: Path, split: str | None, limit: int | None) -> list[Any]:
     """The rows of a rows file (``corral rows`` output), of ``split`` only when given."""
-    from corral.adapters.rows import Row
+    from corral.adapters.rows import RowsError
+    from corral.adapters.rows import read_rows as read_all
 
-    rows = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = Row.model_validate_json(line)
-            except ValueError as exc:
-                raise SystemExit(f"corral: {path}:{lineno}: not a corral row: {exc}") from None
-            if split is None or row.metadata.split == split:
-                rows.append(row)
+    try:
+        rows = [r for r in read_all(path) if split is None or r.metadata.split == split]
+    except (OSError, RowsError) as exc:
+        raise SystemExit(f"corral: {exc}") from None
     if not rows:
         raise SystemExit(f"corral: {path} has no rows" + (f" of split {split!r}" if split else ""))
     return rows[:limit] if limit is not None else rows
@@ -454,6 +448,9 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--session-ttl", type=float, default=3600.0, help="seconds idle")
     gateway.add_argument("--access-log", action="store_true", help="log every request")
     gateway.set_defaults(func=cmd_gateway)
+    from corral.adapters.agents import add_play_command
+
+    add_play_command(sub)
     return parser
 
 

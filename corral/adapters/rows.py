@@ -10,7 +10,6 @@ token, never the token.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,5 +189,14 @@ async def _list_tools(
 
 
 def read_rows(path: Path) -> list[Row]:
-    """Rows from a JSONL file written by :func:`write_rows`."""
-    return [Row.model_validate(json.loads(line)) for line in path.read_text().splitlines()]
+    """Rows from a JSONL file written by :func:`write_rows` (blank lines skipped).
+    :class:`RowsError` naming the file and line of the first line that is not a row."""
+    rows = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(Row.model_validate_json(line))
+        except ValueError as exc:
+            raise RowsError(f"{path}:{lineno}: not a corral row: {exc}") from None
+    return rows
