@@ -211,3 +211,35 @@ async def test_a_row_whose_token_variable_is_unset_is_refused(
                 row
             )
     assert rollout.reward == 1.0
+
+
+async def test_an_env_killed_mid_episode_flags_the_rollout(
+    stack: Stack, weather_bundle: Path, tmp_path: Path
+) -> None:
+    """The env runs in a local sandbox (a subprocess); it is killed while its tool call runs."""
+    import os
+    import signal
+
+    from corral.sandboxes.local import LocalProvider
+
+    provider = LocalProvider("test-player", state_dir=tmp_path / "sandboxes")
+    with serve(build_app(weather_bundle, sandbox=provider, tool_timeout=30.0)) as url:
+        row = (await _rows(url, tmp_path, tool_timeout=30.0))["w-hang"]
+        play = asyncio.ensure_future(_play(stack, row))
+        folder = tmp_path / "sandboxes" / "local"
+        # The tool call is running once it marks its folder (polled: another process).
+        while not list(folder.glob("*/hanging")):  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
+        (marker,) = folder.glob("*/hanging")
+        for pid in os.listdir("/proc"):
+            if pid.isdigit():
+                try:
+                    if os.readlink(f"/proc/{pid}/cwd") == str(marker.parent):
+                        os.kill(int(pid), signal.SIGKILL)
+                except OSError:
+                    pass
+        rollout = await play
+    assert rollout.failed and rollout.reward is None
+    assert rollout.reason is not None
+    assert rollout.reason.startswith("env: EXECUTION_ERROR: the env stopped answering")
+    assert all(s.status == "failed" for s in rollout.samples)

@@ -51,6 +51,7 @@ class WeatherEnv:
         if mode == "raise":
             raise RuntimeError("the weather service is down")
         if mode == "hang":
+            open("hanging", "w").close()  # in the sandbox's folder, when served in one
             time.sleep(5)
         self.asked.append(arguments.get("city"))
         return ToolOutcome(f"sunny in {arguments.get('city')}", done=True)
