@@ -1,0 +1,374 @@
+"""Start and stop megatron-core's parallel state, on a CPU (gloo) or on CUDA GPUs (NCCL).
+
+Everything corral does to make megatron-core run without a GPU lives here, so that the rest of
+the trainer is the same code on both::
+
+    from corral.trainer import megatron_cpu
+
+    runtime = megatron_cpu.setup("cpu")  # or "cuda"; idempotent
+    ...  # build a GPTModel, train
+    megatron_cpu.teardown()
+
+or ``with megatron_cpu.runtime("cpu") as rt: ...``.
+
+``setup`` brings up ``torch.distributed`` (unless the caller already has: then that group is
+used and left alone), then megatron's model-parallel groups (``initialize_model_parallel``).
+Without a launcher (no ``WORLD_SIZE`` in the environment) the group is a world of one, rendezvous
+through a file store in a private temporary folder: no port to pick, so no race for one.
+
+On ``"cuda"`` nothing is patched: NCCL, ``torch.cuda.set_device(LOCAL_RANK)`` and megatron's
+own ``model_parallel_cuda_manual_seed``.
+
+On ``"cpu"`` (megatron-core 0.16) two things assume CUDA on the dense GPT path, and ``setup``
+redirects exactly those, for megatron only, until ``teardown``:
+
+1. ``torch.cuda.current_device()`` is called as a device argument in a few megatron modules
+   (``_CURRENT_DEVICE_USERS``): the rotary embedding moves its frequencies there on the first
+   forward, and the global memory buffer (the attention scores' scratch tensor) is allocated
+   there. On a CPU-only torch the call raises. ``setup`` rebinds the name ``torch`` *in those
+   modules only* to a transparent view of torch whose ``cuda.current_device()`` answers
+   ``torch.device("cpu")``; every other attribute is torch's own. torch itself, and every other
+   module (transformers, the local engine, the caller), still see the real ``torch.cuda``.
+2. The RNG tracker (``tensor_parallel.get_cuda_rng_tracker()``) keeps named CUDA generator states
+   and swaps them in ``fork()``, which every attention forward enters (for dropout). ``setup``
+   installs, through the tracker slot megatron reads (``tensor_parallel.random``'s module
+   state), a subclass of megatron's tracker that keeps the same named streams as CPU generator
+   states and swaps the CPU generator in ``fork()``.
+
+Not covered on CPU (each would need CUDA anyway): megatron's fused kernels, activation
+recompute (``CheckpointFunction`` saves CUDA RNG states), the inference/KV-cache paths,
+megatron's ``DistributedDataParallel`` and distributed optimizer (use ``torch.optim`` on the
+unwrapped model at world size 1). The model must be built with ``use_cpu_initialization=True``
+and called with an explicit attention mask (megatron's default causal mask is built with
+``device="cuda"``); ``corral.trainer.model`` does both.
+
+Nothing is patched at import time, and importing this module does not import megatron.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import os
+import shutil
+import sys
+import tempfile
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, Literal
+
+import torch
+
+__all__ = ["Device", "Runtime", "current", "runtime", "setup", "teardown"]
+
+Device = Literal["cpu", "cuda"]
+
+# The megatron modules whose torch.cuda.current_device() calls the dense GPT training path
+# reaches (found by running forward, backward and an AdamW step on a CPU-only torch, dropping
+# modules from a longer list until it failed): the rotary embedding's frequencies and the global
+# memory buffer. Another module joins this list when a CPU test trips over it.
+_CURRENT_DEVICE_USERS: Final = (
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.utils",
+)
+_RNG_MODULE: Final = "megatron.core.tensor_parallel.random"
+# megatron's seed arithmetic in model_parallel_cuda_manual_seed, so that a CPU run draws dropout
+# masks from streams seeded the way a GPU run's are.
+_TP_SEED_OFFSET: Final = 2718
+_EXPERT_SEED_OFFSET: Final = 1024
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What ``setup`` brought up: the device models go on and the parallel layout."""
+
+    device: torch.device
+    backend: str
+    world_size: int
+    rank: int
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    seed: int
+
+
+@dataclass
+class _State:
+    """What a ``setup`` started, so that ``teardown`` (or a failed ``setup``) can undo it."""
+
+    runtime: Runtime | None = None
+    owns_process_group: bool = False
+    owns_model_parallel: bool = False
+    store_dir: Path | None = None
+    # (module, its original ``torch`` global), restored by teardown
+    rebound: list[tuple[types.ModuleType, Any]] = field(default_factory=list)
+    # megatron's RNG tracker slot (tracker, initialised flag) before setup replaced it
+    rng_saved: tuple[Any, Any] | None = None
+
+
+_state: _State | None = None
+
+
+def current() -> Runtime | None:
+    """The live runtime, or None before ``setup`` / after ``teardown``."""
+    return _state.runtime if _state else None
+
+
+def setup(
+    device: Device = "cpu",
+    *,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    seed: int = 0,
+) -> Runtime:
+    """Bring up torch.distributed and megatron's parallel groups for ``device``; idempotent.
+
+    A second call with the same arguments returns the same ``Runtime``; with different ones it
+    raises ``RuntimeError`` (call ``teardown`` first). ``device="cuda"`` without a GPU raises
+    ``RuntimeError``; a parallel layout that does not fit the world size (or megatron groups the
+    caller initialised differently) raises ``ValueError``. On any failure, what this call
+    started is undone before the exception propagates.
+    """
+    global _state
+    wanted = (device, tensor_parallel_size, pipeline_parallel_size, seed)
+    if _state is not None:
+        rt = _state.runtime
+        assert rt is not None  # set before _state is published
+        have = (rt.device.type, rt.tensor_parallel_size, rt.pipeline_parallel_size, rt.seed)
+        if have != wanted:
+            raise RuntimeError(
+                f"megatron is already set up as {rt}; call teardown() before setup{wanted}"
+            )
+        return rt
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("setup('cuda'): torch sees no CUDA device (use setup('cpu'))")
+
+    state = _State()
+    try:
+        torch_device = _init_process_group(device, state)
+        world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+        if world % (tensor_parallel_size * pipeline_parallel_size):
+            raise ValueError(
+                f"world size {world} is not divisible by tensor parallel {tensor_parallel_size}"
+                f" x pipeline parallel {pipeline_parallel_size}"
+            )
+        from megatron.core import parallel_state
+
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size)
+            state.owns_model_parallel = True
+        elif (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+        ) != (tensor_parallel_size, pipeline_parallel_size):
+            raise ValueError("megatron's parallel groups are already up with another layout")
+        if device == "cpu":
+            state.rebound = _rebind_current_device()
+            state.rng_saved = _install_cpu_rng_tracker(seed)
+        else:
+            from megatron.core import tensor_parallel
+
+            tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    except BaseException:
+        _undo(state)
+        raise
+    state.runtime = Runtime(
+        device=torch_device,
+        backend=str(torch.distributed.get_backend()),
+        world_size=world,
+        rank=rank,
+        tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size,
+        seed=seed,
+    )
+    _state = state
+    return state.runtime
+
+
+def teardown() -> None:
+    """Undo ``setup``: the CPU redirections, and megatron's groups and the process group where
+    ``setup`` created them (a caller's own are left up). A no-op when nothing is set up."""
+    global _state
+    if _state is None:
+        return
+    state, _state = _state, None
+    _undo(state)
+
+
+@contextlib.contextmanager
+def runtime(
+    device: Device = "cpu",
+    *,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    seed: int = 0,
+) -> Iterator[Runtime]:
+    """``setup`` for the body of a ``with``; ``teardown`` after it, unless it was already set
+    up before the ``with`` (then it is left as it was)."""
+    was_up = _state is not None
+    rt = setup(
+        device,
+        tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size,
+        seed=seed,
+    )
+    try:
+        yield rt
+    finally:
+        if not was_up:
+            teardown()
+
+
+# ---------------------------------------------------------------------------------------------
+# Process group
+
+
+def _init_process_group(device: Device, state: _State) -> torch.device:
+    """Start the default process group if none is up; returns the device models go on."""
+    dist = torch.distributed
+    if device == "cuda":
+        # torchrun sets LOCAL_RANK; one process per GPU.
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch_device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        torch_device = torch.device("cpu")
+    if dist.is_initialized():
+        return torch_device
+    backend = "nccl" if device == "cuda" else "gloo"
+    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, init_method="env://")
+    else:
+        state.store_dir = Path(tempfile.mkdtemp(prefix="corral-megatron-"))
+        store = dist.FileStore(str(state.store_dir / "store"), 1)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1)
+    state.owns_process_group = True
+    return torch_device
+
+
+def _undo(state: _State) -> None:
+    """Tear down whatever of ``state`` is up, in reverse order of ``setup``."""
+    if state.rng_saved is not None:
+        random_module: Any = sys.modules[_RNG_MODULE]
+        tracker, initialized = state.rng_saved
+        random_module._CUDA_RNG_STATE_TRACKER = tracker
+        random_module._CUDA_RNG_STATE_TRACKER_INITIALIZED = initialized
+        state.rng_saved = None
+    for module, original in reversed(state.rebound):
+        module.torch = original
+    state.rebound = []
+    if state.owns_model_parallel:
+        sys.modules["megatron.core.parallel_state"].destroy_model_parallel()
+        state.owns_model_parallel = False
+    if state.owns_process_group and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    state.owns_process_group = False
+    if state.store_dir is not None:
+        shutil.rmtree(state.store_dir, ignore_errors=True)
+        state.store_dir = None
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU redirections
+
+
+class _CudaOnCpu:
+    """``torch.cuda`` as the rebound megatron modules see it: ``current_device()`` is the CPU;
+    every other attribute is the real ``torch.cuda``'s."""
+
+    def current_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+
+class _TorchOnCpu:
+    """``torch`` as the rebound megatron modules see it: the real module but for ``cuda``."""
+
+    cuda: Final = _CudaOnCpu()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    def __repr__(self) -> str:
+        return "<torch, with cuda.current_device() -> cpu, for megatron on CPU>"
+
+
+_TORCH_ON_CPU: Final = _TorchOnCpu()
+
+
+def _rebind_current_device() -> list[tuple[types.ModuleType, Any]]:
+    """Point the name ``torch`` in ``_CURRENT_DEVICE_USERS`` at ``_TORCH_ON_CPU``; returns what
+    to restore. A module already rebound (a second setup in a row) is left as it is."""
+    rebound = []
+    for name in _CURRENT_DEVICE_USERS:
+        module: Any = importlib.import_module(name)
+        original = module.__dict__.get("torch")
+        if original is _TORCH_ON_CPU:
+            continue
+        if original is not torch:
+            raise RuntimeError(
+                f"{name}.torch is {original!r}, not the torch module: megatron changed; "
+                "revisit corral.trainer.megatron_cpu"
+            )
+        module.torch = _TORCH_ON_CPU
+        rebound.append((module, original))
+    return rebound
+
+
+def _install_cpu_rng_tracker(seed: int) -> tuple[Any, Any]:
+    """Put a CPU tracker, seeded as megatron seeds its CUDA one at tensor-parallel rank 0, into
+    megatron's tracker slot; returns the slot's previous content."""
+    random_module: Any = importlib.import_module(_RNG_MODULE)
+    saved = (
+        random_module._CUDA_RNG_STATE_TRACKER,
+        random_module._CUDA_RNG_STATE_TRACKER_INITIALIZED,
+    )
+    tracker = _cpu_tracker_class()()
+    tracker.add(random_module._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(random_module._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + _TP_SEED_OFFSET)
+    tracker.add(random_module._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + _EXPERT_SEED_OFFSET)
+    random_module._CUDA_RNG_STATE_TRACKER = tracker
+    random_module._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    return saved
+
+
+@functools.cache
+def _cpu_tracker_class() -> type:
+    """megatron's ``CudaRNGStatesTracker`` with CPU generator states (a subclass, so that
+    megatron's ``isinstance`` checks on the tracker still hold). Built on first use so that
+    importing this module does not import megatron."""
+    from megatron.core.tensor_parallel.random import (
+        _MODEL_PARALLEL_RNG_TRACKER_NAME,
+        CudaRNGStatesTracker,
+    )
+
+    class CpuRNGStatesTracker(CudaRNGStatesTracker):
+        """Named RNG streams as CPU generator states; ``fork(name)`` runs its body on one."""
+
+        def add(self, name: str, seed: int) -> None:
+            if seed in self.seeds_:
+                raise ValueError(f"RNG seed {seed} is already tracked")
+            if name in self.states_:
+                raise ValueError(f"RNG state {name!r} is already tracked")
+            self._is_initialized = True
+            self.seeds_.add(seed)
+            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name: str = _MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
+            if name not in self.states_:
+                raise ValueError(f"RNG state {name!r} is not tracked")
+            outer = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(outer)
+
+    return CpuRNGStatesTracker
