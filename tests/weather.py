@@ -1,8 +1,8 @@
 """A bundle the tiny model can play: its one tool is ``get_weather(city)``, the tool the model
 was imprinted to call. Each task's ``mode`` says how its env behaves, to drive every path of a
 rollout: ``ok`` answers and ends the episode (graded 1 when the model asked for the task's
-city), ``raise`` raises, ``hang`` sleeps past a short tool timeout, ``crash`` makes the verifier
-raise."""
+city), ``wrong`` asks about another city than the one it grades (reward 0), ``raise`` raises,
+``hang`` sleeps past a short tool timeout, ``crash`` makes the verifier raise."""
 
 from __future__ import annotations
 
@@ -78,7 +78,8 @@ def write_weather_bundle(root: Path, *, modes: tuple[str, ...] = MODES) -> Path:
     (root / "env.py").write_text(WEATHER_ENV)
     (root / "verifier.py").write_text(WEATHER_VERIFIER)
     lines = [
-        {"id": f"w-{mode}", "prompt": "What is the weather in Paris?",
+        {"id": f"w-{mode}",
+         "prompt": f"What is the weather in {'Oslo' if mode == 'wrong' else 'Paris'}?",
          "data": {"mode": mode, "city": "Paris"}}
         for mode in modes
     ]  # fmt: skip

@@ -1,0 +1,103 @@
+"""One policy update on a step's groups, and the weight push to the engines.
+
+:func:`policy_update` turns kept groups into GRPO advantages (over rollouts, by group index),
+packs their samples into micro-batches up to a token budget, and accumulates the loss of every
+micro-batch before one optimizer step: the losses are normalised per step (see
+:mod:`corral.trainer.losses`), so the summed micro-batch gradients are exactly the step's.
+:func:`push_weights` writes the model as a Hugging Face folder and has an engine load it
+(``update_weights_from_disk``), bumping the engine's weight version.
+
+The training loop (rollouts, evaluation, checkpoints, metrics files) builds on these two.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from corral.trainer.batches import batch_token_stats, build_train_samples, pack_micro_batches
+from corral.trainer.groups import Group
+from corral.trainer.losses import LossConfig, batch_policy_loss, grpo_advantages
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """How a step trains on its groups."""
+
+    loss: LossConfig = field(default_factory=LossConfig)
+    normalize_std: bool = True
+    max_tokens_per_micro_batch: int = 8192
+    temperature: float = 1.0  # the sampling temperature: logprobs must be of the same policy
+    max_grad_norm: float | None = 1.0
+    pad_id: int = 0
+
+
+def policy_update(
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    groups: Sequence[Group],
+    settings: UpdateSettings | None = None,
+) -> dict[str, float]:
+    """Train ``model`` one optimizer step on ``groups`` (kept groups: none flagged). Returns the
+    step's metrics: the loss terms summed over micro-batches (``loss``, ``pg_loss``,
+    ``clip_fraction``, ``tis_weight``, ``entropy``, ``kl`` when there are reference logprobs),
+    ``grad_norm`` (before clipping), and counts (``rollouts``, ``samples``, ``micro_batches``,
+    ``tokens``, ``trained_tokens``). ValueError for samples that do not fit together (see
+    :func:`corral.trainer.batches.build_train_samples`)."""
+    from corral.trainer.model import forward_logits
+
+    settings = settings or UpdateSettings()
+    advantages = grpo_advantages(groups, normalize_std=settings.normalize_std)
+    samples = build_train_samples(groups, advantages)
+    micro_batches = pack_micro_batches(samples, settings.max_tokens_per_micro_batch)
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    totals: dict[str, float] = defaultdict(float)
+    device = next(model.parameters()).device
+    for mb in micro_batches:
+        tokens, mask = mb.padded(settings.pad_id)
+        logits = forward_logits(model, tokens.to(device), attention_mask=mask.to(device))
+        stats = batch_token_stats(logits, mb, temperature=settings.temperature)
+        out = batch_policy_loss(mb, stats, settings.loss)
+        out.loss.backward()
+        for name, value in out.metrics.items():
+            totals[name] += float(value)
+    params = [p for p in model.parameters() if p.grad is not None]
+    max_norm = settings.max_grad_norm if settings.max_grad_norm is not None else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    optimizer.step()
+    totals.update(
+        grad_norm=float(grad_norm),
+        rollouts=float(len(advantages)),
+        samples=float(len(samples)),
+        micro_batches=float(len(micro_batches)),
+        tokens=float(sum(len(s.tokens) for s in samples)),
+        trained_tokens=float(sum(int(s.loss_mask.sum()) for s in samples)),
+    )
+    return dict(totals)
+
+
+async def push_weights(
+    model: Any,
+    spec: Any,
+    out_dir: Path,
+    engine_url: str,
+    *,
+    version: str,
+    tokenizer_from: Path | None = None,
+) -> Path:
+    """Save ``model`` as a Hugging Face folder under ``out_dir`` and have the engine at
+    ``engine_url`` load it as weight version ``version``. Raises the engine client's
+    ``EngineError`` when the engine refuses the load (the folder stays for a retry)."""
+    from corral.engines.sglang import SGLangClient
+    from corral.trainer.convert import save_hf_checkpoint
+
+    path = save_hf_checkpoint(model, spec, out_dir, tokenizer_from=tokenizer_from)
+    async with SGLangClient(engine_url) as engine:
+        await engine.update_weights_from_disk(str(path), weight_version=version)
+    return path

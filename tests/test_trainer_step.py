@@ -1,0 +1,80 @@
+"""One RL step on CPU against real local servers: rollouts of the tiny model through the
+gateway (weather bundle: a right and a wrong city make a group with different rewards), a
+policy update of the megatron-core model, and the new weights pushed to the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from corral.adapters.gateway_admin import GatewayAdmin
+from corral.adapters.player import Player
+from corral.adapters.rows import RowSettings, read_rows, write_rows
+from corral.envs.server import build_app
+from corral.stack import StackURLs, local_stack
+from corral.trainer.groups import Group, filter_groups
+from tests.servers import serve
+from tests.weather import write_weather_bundle
+
+megatron = pytest.importorskip("megatron.core", reason="pip install 'corral[train]'")
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir: Path) -> Iterator[StackURLs]:
+    with local_stack(tiny_model_dir) as urls:
+        yield urls
+
+
+@pytest.fixture
+def runtime() -> Iterator[None]:
+    from corral.trainer import megatron_cpu
+
+    megatron_cpu.setup("cpu")
+    yield
+    megatron_cpu.teardown()
+
+
+async def test_one_rl_step_changes_the_weights_and_the_engine_serves_them(
+    stack: StackURLs, tiny_model_dir: Path, tmp_path: Path, runtime: None
+) -> None:
+    from corral.trainer.convert import load_hf_checkpoint, megatron_state_dict
+    from corral.trainer.step import UpdateSettings, policy_update, push_weights
+
+    bundle = write_weather_bundle(tmp_path / "weather", modes=("ok", "wrong"))
+    with serve(build_app(bundle)) as url:
+        await asyncio.to_thread(write_rows, url, tmp_path / "rows", RowSettings())
+        rows = {r.metadata.task_id: r for r in read_rows(tmp_path / "rows" / "all.jsonl")}
+        async with GatewayAdmin(stack.gateway) as admin, Player(admin) as player:
+            played = [
+                await player.play(rows[task], group_index=0, index=i)
+                for i, task in enumerate(("w-ok", "w-wrong"))
+            ]
+    assert [r.reward for r in played] == [1.0, 0.0]
+    kept, dropped = filter_groups([Group.from_player(played)])
+    assert len(kept) == 1 and not dropped
+
+    model, spec = load_hf_checkpoint(tiny_model_dir, dtype=torch.float32)
+    before = {n: t.detach().clone() for n, t in megatron_state_dict(model).items()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    metrics = policy_update(model, optimizer, kept, UpdateSettings(max_tokens_per_micro_batch=512))
+    for key in ("loss", "pg_loss", "clip_fraction", "tis_weight", "entropy", "grad_norm",
+                "rollouts", "samples", "micro_batches", "tokens", "trained_tokens"):  # fmt: skip
+        assert key in metrics and math.isfinite(metrics[key]), key
+    assert metrics["rollouts"] == 2 and metrics["grad_norm"] > 0
+    after = megatron_state_dict(model)
+    assert any(not torch.equal(before[n], after[n]) for n in before)
+
+    path = await push_weights(
+        model, spec, tmp_path / "step-1", stack.engine, version="step-1",
+        tokenizer_from=tiny_model_dir,
+    )  # fmt: skip
+    assert (path / "config.json").is_file()
+    async with httpx.AsyncClient() as http:
+        info = (await http.get(f"{stack.engine}/get_model_info")).json()
+    assert info["weight_version"] == "step-1"
