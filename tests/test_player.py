@@ -224,7 +224,7 @@ async def test_an_env_killed_mid_episode_flags_the_rollout(
 
     provider = LocalProvider("test-player", state_dir=tmp_path / "sandboxes")
     with serve(build_app(weather_bundle, sandbox=provider, tool_timeout=30.0)) as url:
-        row = (await _rows(url, tmp_path, tool_timeout=30.0))["w-hang"]
+        row = (await _rows(url, tmp_path, tool_timeout=30.0))["w-stall"]
         play = asyncio.ensure_future(_play(stack, row))
         folder = tmp_path / "sandboxes" / "local"
         # The tool call is running once it marks its folder (polled: another process).

@@ -50,7 +50,9 @@ async def test_one_rl_step_changes_the_weights_and_the_engine_serves_them(
     with serve(build_app(bundle)) as url:
         await asyncio.to_thread(write_rows, url, tmp_path / "rows", RowSettings())
         rows = {r.metadata.task_id: r for r in read_rows(tmp_path / "rows" / "all.jsonl")}
-        async with GatewayAdmin(stack.gateway) as admin, Player(admin) as player:
+        # Greedy: the tiny model asks for the prompt's city every time, so the rewards are fixed.
+        greedy = {"temperature": 0.0}
+        async with GatewayAdmin(stack.gateway) as admin, Player(admin, sampling=greedy) as player:
             played = [
                 await player.play(rows[task], group_index=0, index=i)
                 for i, task in enumerate(("w-ok", "w-wrong"))

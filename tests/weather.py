@@ -2,7 +2,8 @@
 was imprinted to call. Each task's ``mode`` says how its env behaves, to drive every path of a
 rollout: ``ok`` answers and ends the episode (graded 1 when the model asked for the task's
 city), ``wrong`` asks about another city than the one it grades (reward 0), ``raise`` raises,
-``hang`` sleeps past a short tool timeout, ``crash`` makes the verifier raise."""
+``hang`` sleeps past a short tool timeout (``stall`` too, after marking its working folder),
+``crash`` makes the verifier raise."""
 
 from __future__ import annotations
 
@@ -50,8 +51,9 @@ class WeatherEnv:
         mode = self.task.data["mode"]
         if mode == "raise":
             raise RuntimeError("the weather service is down")
-        if mode == "hang":
-            open("hanging", "w").close()  # in the sandbox's folder, when served in one
+        if mode == "stall":  # a hang that marks its working folder first (a sandbox's)
+            open("hanging", "w").close()
+        if mode in ("hang", "stall"):
             time.sleep(5)
         self.asked.append(arguments.get("city"))
         return ToolOutcome(f"sunny in {arguments.get('city')}", done=True)
@@ -67,7 +69,7 @@ def grade(task, state):
     return {"right_city": float(state["asked"] == [task.data["city"]])}
 """
 
-MODES = ("ok", "raise", "hang", "crash")
+MODES = ("ok", "raise", "hang", "stall", "crash")
 
 
 def write_weather_bundle(root: Path, *, modes: tuple[str, ...] = MODES) -> Path:
