@@ -164,15 +164,15 @@ def cmd_bundle_validate(args: argparse.Namespace) -> int:
 def read_rows(path: Path, split: str | None, limit: int | None) -> list[Any]:
     """The rows of a rows file (``corral rows`` output), of ``split`` only when given."""
     from corral.adapters.rows import RowsError
-    from corral.adapters.rows import read_rows as read_all
+    from corral.adapters.rows import read_rows as read_chosen
 
     try:
-        rows = [r for r in read_all(path) if split is None or r.metadata.split == split]
+        rows = read_chosen(path, split=split, limit=limit)
     except (OSError, RowsError) as exc:
         raise SystemExit(f"corral: {exc}") from None
     if not rows:
         raise SystemExit(f"corral: {path} has no rows" + (f" of split {split!r}" if split else ""))
-    return rows[:limit] if limit is not None else rows
+    return rows
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

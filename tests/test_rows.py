@@ -54,6 +54,13 @@ def test_rows_match_the_servers_tasks(bundle, tmp_path: Path) -> None:  # type: 
     assert TOKEN not in text  # rows name the variable, never the token
     assert [r.metadata.index for r in rows] == list(range(sizes["eval"]))
 
+    chosen = read_rows(tmp_path / "all.jsonl", split="eval", limit=3)
+    assert [(r.metadata.split, r.metadata.index) for r in chosen] == [("eval", i) for i in range(3)]
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text((tmp_path / "eval.jsonl").read_text().splitlines()[0] + "\n\n{}\n")
+    with pytest.raises(RowsError, match=r"broken\.jsonl:3: not a corral row"):
+        read_rows(broken)
+
 
 def test_unreachable_server_and_refused_token_are_clear_errors(bundle, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(RowsError, match="cannot reach the env server"):

@@ -470,11 +470,6 @@ def summarize(rollouts: Sequence[AgentRollout]) -> Stats:
     return Stats.of([None if r.failed else r.reward for r in rollouts])
 
 
-def _select(rows: list[Row], split: str | None, limit: int | None) -> list[Row]:
-    chosen = [r for r in rows if split is None or r.metadata.split == split]
-    return chosen[:limit] if limit is not None else chosen
-
-
 def _write_outputs(out: Path, rollouts: Sequence[AgentRollout], summary: Stats) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with (out / "episodes.jsonl").open("w") as episodes:
@@ -498,7 +493,7 @@ def cmd_play(args: argparse.Namespace) -> int:
         if not admin_token:
             print(f"corral play: {args.admin_token_var} is not set or empty", file=sys.stderr)
             return 2
-    rows = _select(read_rows(Path(args.rows)), args.split, args.limit)
+    rows = read_rows(Path(args.rows), split=args.split, limit=args.limit)
     if not rows:
         print(f"corral play: no rows selected from {args.rows}", file=sys.stderr)
         return 1

@@ -188,9 +188,10 @@ async def _list_tools(
     return out
 
 
-def read_rows(path: Path) -> list[Row]:
-    """Rows from a JSONL file written by :func:`write_rows` (blank lines skipped).
-    :class:`RowsError` naming the file and line of the first line that is not a row."""
+def read_rows(path: Path, *, split: str | None = None, limit: int | None = None) -> list[Row]:
+    """Rows from a JSONL file written by :func:`write_rows` (blank lines skipped): those of
+    ``split`` only when given, the first ``limit`` when given. :class:`RowsError` naming the
+    file and line of the first line that is not a row."""
     rows = []
     for lineno, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -199,4 +200,5 @@ def read_rows(path: Path) -> list[Row]:
             rows.append(Row.model_validate_json(line))
         except ValueError as exc:
             raise RowsError(f"{path}:{lineno}: not a corral row: {exc}") from None
-    return rows
+    chosen = [r for r in rows if split is None or r.metadata.split == split]
+    return chosen[:limit] if limit is not None else chosen
