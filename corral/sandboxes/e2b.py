@@ -65,7 +65,6 @@ from corral.sandboxes.base import (
     MAX_LINE,
     OWNER_LABEL,
     SANDBOX_LABEL,
-    STDERR_TAIL,
     Endpoint,
     ExecResult,
     Sandbox,
@@ -75,6 +74,7 @@ from corral.sandboxes.base import (
     SandboxSpec,
 )
 from corral.sandboxes.ownership import EXPIRES_LABEL, expired, owner_gone, owner_labels
+from corral.sandboxes.streams import LineBuffer
 
 log = logging.getLogger(__name__)
 
@@ -505,11 +505,7 @@ class E2BProcess(SandboxProcess):
         self._sandbox = sandbox
         self._sid_file = sid_file
         self._handle: Any = None
-        self._lines: asyncio.Queue[bytes] = asyncio.Queue()
-        self._partial = bytearray()
-        self._tail = bytearray()
-        self._overflow = False
-        self._eof = False
+        self._out = LineBuffer(MAX_LINE)
         self._ended: asyncio.Future[None] | None = None
         self._killed = False
 
@@ -523,31 +519,15 @@ class E2BProcess(SandboxProcess):
         # kill, or the sandbox going away. Which one does not matter to a reader: EOF.
         with contextlib.suppress(Exception):
             await self._handle.wait()
-        if self._partial:
-            self._lines.put_nowait(bytes(self._partial))
-            self._partial.clear()
-        self._lines.put_nowait(b"")
+        self._out.close()
 
     def on_stdout(self, chunk: str) -> None:
-        """The SDK's stdout callback: split into lines, queued for :meth:`readline`."""
-        data = chunk.encode()
-        while data:
-            nl = data.find(b"\n")
-            if nl < 0:
-                self._partial += data
-                if len(self._partial) > MAX_LINE:
-                    self._overflow = True
-                    self._partial.clear()
-                return
-            self._partial += data[: nl + 1]
-            self._lines.put_nowait(bytes(self._partial))
-            self._partial.clear()
-            data = data[nl + 1 :]
+        """The SDK's stdout callback (decoded text): re-encoded, split into lines."""
+        self._out.feed(chunk.encode())
 
     def on_stderr(self, chunk: str) -> None:
-        """The SDK's stderr callback: keep the last :data:`STDERR_TAIL` bytes."""
-        self._tail += chunk.encode()
-        del self._tail[:-STDERR_TAIL]
+        """The SDK's stderr callback: the last :data:`STDERR_TAIL` bytes are kept."""
+        self._out.add_stderr(chunk.encode())
 
     async def write(self, data: bytes) -> None:
         if self._killed or (self._ended is not None and self._ended.done()):
@@ -558,16 +538,7 @@ class E2BProcess(SandboxProcess):
             raise SandboxError(f"the process has exited: {type(e).__name__}: {e}") from e
 
     async def readline(self) -> bytes:
-        if self._overflow:
-            raise SandboxError(f"a line of output is over {MAX_LINE} bytes")
-        if self._eof:
-            return b""
-        line = await self._lines.get()
-        if not line:
-            self._eof = True
-        if self._overflow:
-            raise SandboxError(f"a line of output is over {MAX_LINE} bytes")
-        return line
+        return await self._out.readline()
 
     async def kill(self) -> None:
         if self._killed:
@@ -583,7 +554,7 @@ class E2BProcess(SandboxProcess):
                 await asyncio.wait_for(asyncio.shield(self._ended), KILL_WAIT_S)
 
     def stderr_tail(self) -> str:
-        return self._tail.decode(errors="replace")
+        return self._out.stderr_tail()
 
 
 # -- the provider ------------------------------------------------------------------------------

@@ -14,7 +14,9 @@ class LineBuffer:
 
     Producers call :meth:`feed`, :meth:`add_stderr` and, at end of stream, :meth:`close`, all
     on the event loop's thread (a thread producer goes through ``loop.call_soon_threadsafe``).
-    One consumer awaits :meth:`readline`.
+    One consumer awaits :meth:`readline`. Memory stays bounded: once an unfinished line grows
+    past ``max_line`` bytes the stream is marked broken, what is held is dropped, and every
+    later :meth:`readline` raises.
     """
 
     def __init__(self, max_line: int = MAX_LINE) -> None:
@@ -22,10 +24,16 @@ class LineBuffer:
         self._tail = bytearray()
         self._max_line = max_line
         self._more = asyncio.Event()
+        self._overflow = False
         self.closed = False
 
     def feed(self, chunk: bytes) -> None:
+        if self._overflow:
+            return
         self._buf += chunk
+        if len(self._buf) - (self._buf.rfind(b"\n") + 1) > self._max_line:
+            self._overflow = True
+            self._buf.clear()
         self._more.set()
 
     def add_stderr(self, chunk: bytes) -> None:
@@ -39,15 +47,15 @@ class LineBuffer:
 
     async def readline(self) -> bytes:
         """The next line, newline included; a last unterminated line at end of stream; ``b""``
-        after that. :class:`SandboxError` for a line over ``max_line`` bytes."""
+        after that. :class:`SandboxError` once a line went over ``max_line`` bytes."""
         while True:
+            if self._overflow:
+                raise SandboxError(f"a line of output is over {self._max_line} bytes")
             end = self._buf.find(b"\n")
             if end >= 0:
                 line = bytes(self._buf[: end + 1])
                 del self._buf[: end + 1]
                 return line
-            if len(self._buf) > self._max_line:
-                raise SandboxError(f"a line of output is over {self._max_line} bytes")
             if self.closed:
                 line = bytes(self._buf)
                 self._buf.clear()
