@@ -28,6 +28,7 @@ from corral.sandboxes.base import SandboxProvider
 from corral.sandboxes.bwrap import BwrapProvider
 from corral.sandboxes.local import LocalProvider
 from tests.conftest import ROOT, SANDBOX_IMAGE
+from tests.processes import kill_processes_in
 from tests.servers import free_port, serve
 
 GRIDSIM = ROOT / "bundles" / "gridsim"
@@ -250,15 +251,8 @@ async def _kill_sandbox_of(provider: SandboxProvider) -> None:
         await asyncio.to_thread(_remove, provider.client, sid)  # type: ignore[attr-defined]
     else:
         folder = provider.records.root / sid  # type: ignore[attr-defined]
-        # The runner is bwrap's grandchild; killing every process that holds the folder open
-        # as its cwd stands in for an operator's `kill -9` of the sandbox.
-        for pid in os.listdir("/proc"):
-            if pid.isdigit():
-                try:
-                    if os.readlink(f"/proc/{pid}/cwd").startswith(str(folder)):
-                        os.kill(int(pid), signal.SIGKILL)
-                except OSError:
-                    pass
+        # The runner is bwrap's grandchild: every process working in the folder goes.
+        assert kill_processes_in(folder) > 0
 
 
 async def test_a_killed_sandbox_fails_the_episode_clearly(

@@ -28,6 +28,7 @@ from corral.envs.client import EnvClient
 from corral.envs.server import build_app
 from corral.stack import local_stack
 from tests.conftest import ROOT
+from tests.processes import kill_processes_in
 from tests.servers import serve
 from tests.weather import write_weather_bundle
 
@@ -217,9 +218,6 @@ async def test_an_env_killed_mid_episode_flags_the_rollout(
     stack: Stack, weather_bundle: Path, tmp_path: Path
 ) -> None:
     """The env runs in a local sandbox (a subprocess); it is killed while its tool call runs."""
-    import os
-    import signal
-
     from corral.sandboxes.local import LocalProvider
 
     provider = LocalProvider("test-player", state_dir=tmp_path / "sandboxes")
@@ -231,13 +229,7 @@ async def test_an_env_killed_mid_episode_flags_the_rollout(
         while not list(folder.glob("*/hanging")):  # noqa: ASYNC110
             await asyncio.sleep(0.02)
         (marker,) = folder.glob("*/hanging")
-        for pid in os.listdir("/proc"):
-            if pid.isdigit():
-                try:
-                    if os.readlink(f"/proc/{pid}/cwd") == str(marker.parent):
-                        os.kill(int(pid), signal.SIGKILL)
-                except OSError:
-                    pass
+        assert kill_processes_in(marker.parent) > 0
         rollout = await play
     assert rollout.failed and rollout.reward is None
     assert rollout.reason is not None

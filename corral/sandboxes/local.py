@@ -220,6 +220,11 @@ class LocalSandbox(HostFolderFiles, Sandbox):
         self._records = on_close
         self._running: set[int] = set()
 
+    def _env(self, env: Mapping[str, str] | None) -> dict[str, str]:
+        """The command's environment: the host's PATH, HOME the folder, the spec's, ``env``."""
+        full = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(self.folder)}
+        return full | dict(self.spec.env) | dict(env or {})
+
     async def exec(
         self,
         cmd: Sequence[str],
@@ -233,8 +238,7 @@ class LocalSandbox(HostFolderFiles, Sandbox):
         when ``cmd`` cannot be started."""
         if self._closing is not None or not self.folder.is_dir():
             raise SandboxError(f"sandbox {self.id} is closed")
-        full_env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(self.folder)}
-        full_env |= dict(self.spec.env) | dict(env or {})
+        full_env = self._env(env)
         try:
             out = await run_tree(
                 cmd,
@@ -262,8 +266,7 @@ class LocalSandbox(HostFolderFiles, Sandbox):
         closed or when it cannot be started."""
         if self._closing is not None or not self.folder.is_dir():
             raise SandboxError(f"sandbox {self.id} is closed")
-        full_env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(self.folder)}
-        full_env |= dict(self.spec.env) | dict(env or {})
+        full_env = self._env(env)
         try:
             return await PipeProcess.start(
                 cmd,
