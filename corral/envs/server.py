@@ -261,24 +261,22 @@ class Episode:
         one is killed, which stops the work) and raises ServerError."""
         try:
             return await asyncio.wait_for(call, limit_s)
-        except TimeoutError:
-            self.done, self.status = True, "error"
-            await self.env.close()
-            raise ServerError(
-                ErrorCode.TOOL_TIMEOUT, f"the env did not answer within {limit_s:g} s"
-            ) from None
         except (VerifierError, RewardError):
             raise
-        except EnvFailure as exc:
-            self.done, self.status = True, "error"
-            await self.env.close()
-            raise ServerError(ErrorCode.EXECUTION_ERROR, str(exc)) from exc
         except Exception as exc:
+            if isinstance(exc, TimeoutError):
+                error = ServerError(
+                    ErrorCode.TOOL_TIMEOUT, f"the env did not answer within {limit_s:g} s"
+                )
+            elif isinstance(exc, EnvFailure):
+                error = ServerError(ErrorCode.EXECUTION_ERROR, str(exc))
+            else:
+                error = ServerError(
+                    ErrorCode.EXECUTION_ERROR, f"the env raised {type(exc).__name__}: {exc}"
+                )
             self.done, self.status = True, "error"
             await self.env.close()
-            raise ServerError(
-                ErrorCode.EXECUTION_ERROR, f"the env raised {type(exc).__name__}: {exc}"
-            ) from exc
+            raise error from (None if isinstance(exc, TimeoutError) else exc)
 
 
 def _arguments(raw: Any) -> dict[str, Any] | str:
