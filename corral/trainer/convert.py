@@ -29,19 +29,46 @@ group's query heads, then its key head, then its value head (``head_dim`` rows e
 head ``h`` of transformers belongs to group ``h // heads_per_group`` (``repeat_kv``).
 ``linear_fc1`` is ``gate_proj`` stacked over ``up_proj`` (megatron's GLU applies the activation
 to the first half). Conversion only reshapes and concatenates, so a round trip is bit-exact.
+
+Tensor parallelism (``TP`` ranks; ``hf_to_megatron`` / ``megatron_to_hf`` always speak the
+full, TP-1 layout above, and ``shard_megatron_state`` / ``merge_megatron_shards`` go between
+it and the ranks' shards). Rank ``r`` of ``TP`` holds:
+
+- ``linear_qkv.weight`` / ``.bias`` (column-parallel): row chunk ``r`` of ``TP`` equal chunks.
+  The fused layout is grouped by query group, so that is query groups ``r*G/TP`` to
+  ``(r+1)*G/TP - 1`` whole: each group's query heads with its key and value head.
+- ``linear_fc1.weight`` (column-parallel, SwiGLU): ``[gate chunk r; up chunk r]``. Gate and up
+  are each split into ``TP`` row chunks and each rank stacks its two (megatron's GLU halves
+  the *local* output), so this is *not* a plain chunk of the fused ``[gate; up]``.
+- ``linear_proj.weight``, ``linear_fc2.weight`` (row-parallel): column chunk ``r`` (dim 1),
+  the inputs from the heads / intermediate units the rank holds.
+- ``embedding.word_embeddings.weight``, ``output_layer.weight`` (vocab-parallel): row chunk
+  ``r`` of the vocabulary padded with zero rows to a multiple of ``TP``
+  (``model.padded_vocab_size``; the padding rows are never looked up, and ``forward_logits``
+  drops their logits).
+- everything else (the RMSNorm weights, Qwen3's ``q_layernorm`` / ``k_layernorm``): the whole
+  tensor on every rank.
+
+The heads, the key/value heads and the MLP's intermediate size must divide by ``TP``
+(``model.check_tensor_parallel``). Merging concatenates in rank order (gate halves and up halves
+separately for fc1) and drops the vocabulary padding, so HF -> Megatron(TP) -> HF is bit-exact
+too. ``load_hf_checkpoint`` loads this rank's shard; ``megatron_state_dict`` and
+``save_hf_checkpoint`` gather the full tensors over the tensor-parallel group (every rank
+calls them; ``save_hf_checkpoint`` writes from one rank only).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import torch
 
-from corral.trainer.model import ModelSpec, build_model
+from corral.trainer.megatron_cpu import on_device
+from corral.trainer.model import ModelSpec, build_model, check_tensor_parallel, padded_vocab_size
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
@@ -53,8 +80,10 @@ __all__ = [
     "load_megatron_state_dict",
     "megatron_state_dict",
     "megatron_to_hf",
+    "merge_megatron_shards",
     "read_hf_state_dict",
     "save_hf_checkpoint",
+    "shard_megatron_state",
 ]
 
 # Files copied from ``tokenizer_from`` into a saved checkpoint when present.
@@ -209,9 +238,101 @@ def megatron_to_hf(mcore: Mapping[str, torch.Tensor], spec: ModelSpec) -> dict[s
     return out
 
 
-def megatron_state_dict(model: GPTModel) -> dict[str, torch.Tensor]:
-    """The model's parameters by megatron name, detached (sharing storage with the model),
-    without the local spec's ``_extra_state`` placeholders."""
+# ---------------------------------------------------------------------------------------------
+# Tensor-parallel shards
+
+Split = Literal["vocab", "rows", "glu", "columns", "replicated"]
+
+
+def _split_of(name: str) -> Split:
+    """How the megatron tensor ``name`` is split over tensor-parallel ranks (module docstring)."""
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return "vocab"
+    if name.endswith((".linear_qkv.weight", ".linear_qkv.bias")):
+        return "rows"
+    if name.endswith(".linear_fc1.weight"):
+        return "glu"
+    if name.endswith((".linear_proj.weight", ".linear_fc2.weight")):
+        return "columns"
+    return "replicated"
+
+
+def _check_divides(name: str, tensor: torch.Tensor, dim: int, size: int) -> None:
+    if tensor.shape[dim] % size:
+        raise ConversionError(
+            f"{name}: {tensor.shape[dim]} along dim {dim} do not split over {size} ranks"
+        )
+
+
+def _shard(name: str, tensor: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    split = _split_of(name)
+    if split == "replicated" or size == 1:
+        return tensor
+    if split == "vocab":
+        extra = padded_vocab_size(tensor.shape[0], size) - tensor.shape[0]
+        if extra:
+            tensor = torch.cat([tensor, tensor.new_zeros(extra, *tensor.shape[1:])])
+        return tensor.chunk(size, dim=0)[rank]
+    if split == "glu":
+        _check_divides(name, tensor, 0, 2 * size)
+        gate, up = tensor.chunk(2, dim=0)
+        return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]])
+    dim = 0 if split == "rows" else 1
+    _check_divides(name, tensor, dim, size)
+    return tensor.chunk(size, dim=dim)[rank]
+
+
+def _merge(name: str, shards: Sequence[torch.Tensor], vocab_size: int) -> torch.Tensor:
+    split = _split_of(name)
+    if split == "replicated":
+        return shards[0]
+    if split == "vocab":
+        return torch.cat(list(shards))[:vocab_size]
+    if split == "glu":
+        halves = [shard.chunk(2, dim=0) for shard in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+    return torch.cat(list(shards), dim=0 if split == "rows" else 1)
+
+
+def shard_megatron_state(
+    state: Mapping[str, torch.Tensor], rank: int, size: int
+) -> dict[str, torch.Tensor]:
+    """Tensor-parallel rank ``rank``'s shard (of ``size``) of a full (TP 1) megatron state dict,
+    by the rules in the module docstring. Shards are views where a plain chunk is; the
+    vocabulary is padded to a multiple of ``size``. ``ConversionError`` for a tensor that does
+    not split evenly."""
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} is not in a tensor-parallel group of {size}")
+    return {name: _shard(name, tensor, rank, size) for name, tensor in state.items()}
+
+
+def merge_megatron_shards(
+    shards: Sequence[Mapping[str, torch.Tensor]], *, vocab_size: int
+) -> dict[str, torch.Tensor]:
+    """The full (TP 1) megatron state dict from every tensor-parallel rank's shard, in rank
+    order: the inverse of ``shard_megatron_state`` (``vocab_size`` is the unpadded one)."""
+    if not shards:
+        raise ValueError("no shards to merge")
+    names = list(shards[0])
+    if any(list(shard) != names for shard in shards[1:]):
+        raise ConversionError("the shards do not hold the same tensors")
+    return {name: _merge(name, [shard[name] for shard in shards], vocab_size) for name in names}
+
+
+def _tensor_parallel_group() -> Any:
+    """megatron's tensor-parallel group, or None when there is no tensor parallelism."""
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return None
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    group = parallel_state.get_tensor_model_parallel_group()
+    return group if torch.distributed.get_world_size(group) > 1 else None
+
+
+def _local_state_dict(model: GPTModel) -> dict[str, torch.Tensor]:
+    """This rank's parameters by megatron name, detached, without ``_extra_state``."""
     return {
         name: tensor.detach()
         for name, tensor in model.state_dict().items()
@@ -219,18 +340,59 @@ def megatron_state_dict(model: GPTModel) -> dict[str, torch.Tensor]:
     }
 
 
+def _gathered_state_dict(
+    model: GPTModel, *, device: torch.device | None = None
+) -> dict[str, torch.Tensor]:
+    """The full megatron state dict, gathered tensor by tensor over the tensor-parallel group
+    (every rank of it calls this); each full tensor moved to ``device`` when given."""
+    local = _local_state_dict(model)
+    group = _tensor_parallel_group()
+    if group is None:
+        return {n: t if device is None else t.to(device) for n, t in local.items()}
+    size = torch.distributed.get_world_size(group)
+    vocab = getattr(model, "corral_vocab_size", None)
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in local.items():  # the same names in the same order on every rank
+        if _split_of(name) == "replicated":
+            full = tensor.clone()
+        else:
+            parts = [torch.empty_like(tensor) for _ in range(size)]
+            torch.distributed.all_gather(parts, tensor.contiguous(), group=group)
+            rows = vocab if vocab is not None else tensor.shape[0] * size
+            full = _merge(name, parts, rows)
+        out[name] = full if device is None else full.to(device)
+    return out
+
+
+@on_device
+def megatron_state_dict(model: GPTModel) -> dict[str, torch.Tensor]:
+    """The model's parameters by megatron name, full (TP 1 layout, unpadded vocabulary),
+    without the local spec's ``_extra_state`` placeholders, on the model's device.
+
+    Without tensor parallelism the tensors are the parameters detached (sharing storage);
+    under it they are gathered copies, and every rank of the tensor-parallel group must call
+    this (each gets the full dict)."""
+    return _gathered_state_dict(model)
+
+
+@on_device
 def load_megatron_state_dict(model: GPTModel, state: Mapping[str, torch.Tensor]) -> None:
-    """Copy ``state`` into ``model``'s parameters (cast to their dtype and device).
+    """Copy the full (TP 1) megatron state dict ``state`` into ``model``'s parameters (cast to
+    their dtype and device); under tensor parallelism, this rank's shard of it.
 
     Strict but for ``_extra_state``: raises ``ConversionError`` listing missing or unexpected
     names, and ``RuntimeError`` (torch's) on a shape mismatch; on an error nothing is copied.
     """
-    expected = set(megatron_state_dict(model))
+    expected = set(_local_state_dict(model))
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
         raise ConversionError(
             f"state dict mismatch: missing {missing[:8]}, unexpected {unexpected[:8]}"
         )
+    group = _tensor_parallel_group()
+    if group is not None:
+        size = torch.distributed.get_world_size(group)
+        state = shard_megatron_state(state, torch.distributed.get_rank(group), size)
     result = model.load_state_dict(dict(state), strict=False)
     leftover = [n for n in result.missing_keys if not n.endswith("._extra_state")]
     if leftover or result.unexpected_keys:  # cannot happen after the check above
@@ -260,19 +422,24 @@ def read_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
+@on_device
 def load_hf_checkpoint(
     path: str | Path, *, dtype: torch.dtype | None = None
 ) -> tuple[GPTModel, ModelSpec]:
-    """A megatron-core model holding the weights of the Hugging Face model folder ``path``.
+    """A megatron-core model holding the weights of the Hugging Face model folder ``path``:
+    under tensor parallelism, this rank's shard (every rank reads the folder and keeps its
+    own; every rank of the world calls this).
 
-    Needs ``corral.trainer.megatron_cpu.setup`` first (tensor parallel size 1). ``dtype``
-    defaults to the checkpoint's. Raises ``UnsupportedModelError`` for an architecture
-    ``ModelSpec`` refuses, ``ConversionError`` for weights that do not fit the config,
-    ``FileNotFoundError`` without safetensors files.
+    Needs ``corral.trainer.megatron_cpu.setup`` first. ``dtype`` defaults to the checkpoint's.
+    Raises ``UnsupportedModelError`` for an architecture ``ModelSpec`` refuses or one that does
+    not split over the tensor-parallel ranks, ``ConversionError`` for weights that do not fit
+    the config, ``FileNotFoundError`` without safetensors files.
     """
     from transformers import AutoConfig
 
     spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(str(path)))
+    group = _tensor_parallel_group()
+    check_tensor_parallel(spec, 1 if group is None else torch.distributed.get_world_size(group))
     hf = read_hf_state_dict(path)
     state = hf_to_megatron(hf, spec)
     model = build_model(
@@ -282,6 +449,7 @@ def load_hf_checkpoint(
     return model, spec
 
 
+@on_device
 def save_hf_checkpoint(
     model: GPTModel,
     spec: ModelSpec,
@@ -296,12 +464,39 @@ def save_hf_checkpoint(
     5 GB shards with an index), cast to ``dtype`` if given; the tokenizer files and
     ``generation_config.json`` are copied from the folder ``tokenizer_from`` when given.
     Files already in ``out_dir`` under those names are overwritten. Returns ``out_dir``.
+
+    In a world of several ranks every rank calls this: data-parallel rank 0's tensor-parallel
+    group gathers the full weights (to CPU, a tensor at a time), its tensor-parallel rank 0
+    writes the folder, and every rank returns once it is written (a barrier).
     """
-    from huggingface_hub import save_torch_state_dict
+    from corral.trainer import parallel
 
     out = Path(out_dir)
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if not distributed or torch.distributed.get_world_size() == 1:
+        _write_hf_folder(megatron_state_dict(model), spec, out, tokenizer_from, dtype)
+        return out
+    if parallel.data_parallel_rank() == 0:
+        full = _gathered_state_dict(model, device=torch.device("cpu"))
+        if parallel.tensor_parallel_rank() == 0:
+            _write_hf_folder(full, spec, out, tokenizer_from, dtype)
+        del full
+    parallel.barrier()
+    return out
+
+
+def _write_hf_folder(
+    state: Mapping[str, torch.Tensor],
+    spec: ModelSpec,
+    out: Path,
+    tokenizer_from: str | Path | None,
+    dtype: torch.dtype | None,
+) -> None:
+    """``save_hf_checkpoint``'s files, from the full megatron state dict ``state``."""
+    from huggingface_hub import save_torch_state_dict
+
     out.mkdir(parents=True, exist_ok=True)
-    hf = megatron_to_hf(megatron_state_dict(model), spec)
+    hf = megatron_to_hf(state, spec)
     tensors = {n: _owning((t.to(dtype) if dtype else t).cpu()) for n, t in hf.items()}
     # Drop a stale index or shards from an earlier, larger save into the same folder.
     for stale in out.glob("model*.safetensors*"):
@@ -316,7 +511,6 @@ def save_hf_checkpoint(
         for name in TOKENIZER_FILES:
             if (source / name).is_file():
                 shutil.copyfile(source / name, out / name)
-    return out
 
 
 def _owning(tensor: torch.Tensor) -> torch.Tensor:

@@ -13,34 +13,60 @@ or ``with megatron_cpu.runtime("cpu") as rt: ...``.
 
 ``setup`` brings up ``torch.distributed`` (unless the caller already has: then that group is
 used and left alone), then megatron's model-parallel groups (``initialize_model_parallel``).
-Without a launcher (no ``WORLD_SIZE`` in the environment) the group is a world of one, rendezvous
-through a file store in a private temporary folder: no port to pick, so no race for one.
+Which world it joins:
 
-On ``"cuda"`` nothing is patched: NCCL, ``torch.cuda.set_device(LOCAL_RANK)`` and megatron's
-own ``model_parallel_cuda_manual_seed``.
+- started by ``torchrun`` (``WORLD_SIZE``, ``RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` in the
+  environment; ``LOCAL_RANK`` picks the GPU): that world, rendezvous ``env://``;
+- ``setup(..., world_size=N, rank=R, init_method=URL)``: that world (``init_method`` e.g.
+  ``"tcp://127.0.0.1:PORT"`` or ``"file:///shared/path"``; default ``"env://"``);
+- neither: a world of one, rendezvous through a file store in a private temporary folder: no
+  port to pick, so no race for one.
+
+Layout: ``tensor_parallel_size`` (TP) ranks split each layer's tensors; the world is
+``TP x PP x DP`` with data parallel size ``DP = world / (TP x PP)``; megatron orders ranks
+tensor-parallel first, so ranks ``0..TP-1`` are one tensor-parallel group (on one host under
+``torchrun``, which is where NVLink is). ``corral.trainer.parallel`` has the collectives the
+trainer needs on top (gradient reduction, the global gradient norm, sharing python objects).
+
+On ``"cuda"`` nothing is patched: NCCL, ``torch.cuda.set_device(LOCAL_RANK)`` (``LOCAL_RANK``
+from the environment, else ``rank % device_count``) and megatron's own
+``model_parallel_cuda_manual_seed``. CUDA's current device is per *thread*, and megatron
+allocates on ``torch.cuda.current_device()`` (its logits gather, its buffers), as do
+``torch.distributed``'s object collectives: a trainer that runs in a worker thread (e.g.
+``asyncio.to_thread``) would be on ``cuda:0`` there. ``on_device`` (a decorator; the trainer's
+entry points in ``model``, ``convert``, ``step`` and ``parallel`` wear it) makes the runtime's
+device current for the call; on CPU it does nothing.
 
 On ``"cpu"`` (megatron-core 0.16) two things assume CUDA on the dense GPT path, and ``setup``
 redirects exactly those, for megatron only, until ``teardown``:
 
 1. ``torch.cuda.current_device()`` is called as a device argument in a few megatron modules
    (``_CURRENT_DEVICE_USERS``): the rotary embedding moves its frequencies there on the first
-   forward, and the global memory buffer (the attention scores' scratch tensor) is allocated
-   there. On a CPU-only torch the call raises. ``setup`` rebinds the name ``torch`` *in those
-   modules only* to a transparent view of torch whose ``cuda.current_device()`` answers
-   ``torch.device("cpu")``; every other attribute is torch's own. torch itself, and every other
-   module (transformers, the local engine, the caller), still see the real ``torch.cuda``.
+   forward, the global memory buffer (the attention scores' scratch tensor) is allocated
+   there, and under tensor parallelism the all-gather of the logits' vocabulary shards
+   (``tensor_parallel.mappings``) allocates its output there. On a CPU-only torch the call
+   raises. ``setup`` rebinds the name ``torch`` *in those modules only* to a transparent view
+   of torch whose ``cuda.current_device()`` answers ``torch.device("cpu")``; every other
+   attribute is torch's own. torch itself, and every other module (transformers, the local
+   engine, the caller), still see the real ``torch.cuda``.
 2. The RNG tracker (``tensor_parallel.get_cuda_rng_tracker()``) keeps named CUDA generator states
    and swaps them in ``fork()``, which every attention forward enters (for dropout). ``setup``
    installs, through the tracker slot megatron reads (``tensor_parallel.random``'s module
-   state), a subclass of megatron's tracker that keeps the same named streams as CPU generator
-   states and swaps the CPU generator in ``fork()``.
+   state), a subclass of megatron's tracker that keeps the same named streams (seeded as
+   megatron seeds them, per tensor-parallel rank) as CPU generator states and swaps the CPU
+   generator in ``fork()``.
+
+Also on ``"cpu"``: megatron is asked not to create its extra gloo copies of the data-parallel
+groups (``create_gloo_process_groups=False``): the default backend already is gloo there, and
+each group is one more rendezvous at start-up.
 
 Not covered on CPU (each would need CUDA anyway): megatron's fused kernels, activation
 recompute (``CheckpointFunction`` saves CUDA RNG states), the inference/KV-cache paths,
 megatron's ``DistributedDataParallel`` and distributed optimizer (use ``torch.optim`` on the
-unwrapped model at world size 1). The model must be built with ``use_cpu_initialization=True``
-and called with an explicit attention mask (megatron's default causal mask is built with
-``device="cuda"``); ``corral.trainer.model`` does both.
+unwrapped model; ``corral.trainer.parallel`` reduces the gradients), sequence parallelism.
+The model must be built with ``use_cpu_initialization=True`` and called with an explicit
+attention mask (megatron's default causal mask is built with ``device="cuda"``);
+``corral.trainer.model`` does both.
 
 Nothing is patched at import time, and importing this module does not import megatron.
 """
@@ -55,14 +81,26 @@ import shutil
 import sys
 import tempfile
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, ParamSpec, TypeVar
 
 import torch
 
-__all__ = ["Device", "Runtime", "current", "runtime", "setup", "teardown"]
+__all__ = [
+    "Device",
+    "Runtime",
+    "current",
+    "device_scope",
+    "on_device",
+    "runtime",
+    "setup",
+    "teardown",
+]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 Device = Literal["cpu", "cuda"]
 
@@ -73,6 +111,8 @@ Device = Literal["cpu", "cuda"]
 _CURRENT_DEVICE_USERS: Final = (
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
     "megatron.core.utils",
+    # tensor parallel: gathering the logits' vocabulary shards (parallel_output=False)
+    "megatron.core.tensor_parallel.mappings",
 )
 _RNG_MODULE: Final = "megatron.core.tensor_parallel.random"
 # megatron's seed arithmetic in model_parallel_cuda_manual_seed, so that a CPU run draws dropout
@@ -83,7 +123,11 @@ _EXPERT_SEED_OFFSET: Final = 1024
 
 @dataclass(frozen=True)
 class Runtime:
-    """What ``setup`` brought up: the device models go on and the parallel layout."""
+    """What ``setup`` brought up: the device models go on and the parallel layout.
+
+    ``rank`` / ``world_size`` are the global ones; ``tensor_parallel_rank`` and
+    ``data_parallel_rank`` this process's place in its tensor- and data-parallel groups
+    (``data_parallel_size = world_size / (tensor_parallel_size x pipeline_parallel_size)``)."""
 
     device: torch.device
     backend: str
@@ -92,6 +136,15 @@ class Runtime:
     tensor_parallel_size: int
     pipeline_parallel_size: int
     seed: int
+    data_parallel_size: int = 1
+    tensor_parallel_rank: int = 0
+    data_parallel_rank: int = 0
+
+    @property
+    def is_writer(self) -> bool:
+        """True on the one rank that writes shared outputs (files, logs): tensor-parallel rank
+        0 of data-parallel rank 0 (global rank 0 under megatron's rank order)."""
+        return self.tensor_parallel_rank == 0 and self.data_parallel_rank == 0
 
 
 @dataclass
@@ -122,8 +175,17 @@ def setup(
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
     seed: int = 0,
+    world_size: int | None = None,
+    rank: int | None = None,
+    init_method: str | None = None,
 ) -> Runtime:
     """Bring up torch.distributed and megatron's parallel groups for ``device``; idempotent.
+
+    The world: the caller's process group if one is up; else ``world_size`` / ``rank`` /
+    ``init_method`` when given (all ranks call ``setup`` with the same ``world_size`` and
+    ``init_method``); else torchrun's environment; else a world of one (module docstring).
+    Every rank of the world must call ``setup`` with the same layout: megatron's group
+    creation is collective.
 
     A second call with the same arguments returns the same ``Runtime``; with different ones it
     raises ``RuntimeError`` (call ``teardown`` first). ``device="cuda"`` without a GPU raises
@@ -146,10 +208,14 @@ def setup(
         raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("setup('cuda'): torch sees no CUDA device (use setup('cpu'))")
+    if (world_size is None) != (rank is None):
+        raise ValueError("world_size and rank go together")
+    if tensor_parallel_size < 1 or pipeline_parallel_size < 1:
+        raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
 
     state = _State()
     try:
-        torch_device = _init_process_group(device, state)
+        torch_device = _init_process_group(device, state, world_size, rank, init_method)
         world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
         if world % (tensor_parallel_size * pipeline_parallel_size):
             raise ValueError(
@@ -159,7 +225,12 @@ def setup(
         from megatron.core import parallel_state
 
         if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size)
+            parallel_state.initialize_model_parallel(
+                tensor_parallel_size,
+                pipeline_parallel_size,
+                # gloo is the default backend on CPU: its gloo copies would be duplicates
+                create_gloo_process_groups=device == "cuda",
+            )
             state.owns_model_parallel = True
         elif (
             parallel_state.get_tensor_model_parallel_world_size(),
@@ -168,7 +239,9 @@ def setup(
             raise ValueError("megatron's parallel groups are already up with another layout")
         if device == "cpu":
             state.rebound = _rebind_current_device()
-            state.rng_saved = _install_cpu_rng_tracker(seed)
+            state.rng_saved = _install_cpu_rng_tracker(
+                seed, parallel_state.get_tensor_model_parallel_rank()
+            )
         else:
             from megatron.core import tensor_parallel
 
@@ -184,6 +257,9 @@ def setup(
         tensor_parallel_size=tensor_parallel_size,
         pipeline_parallel_size=pipeline_parallel_size,
         seed=seed,
+        data_parallel_size=parallel_state.get_data_parallel_world_size(),
+        tensor_parallel_rank=parallel_state.get_tensor_model_parallel_rank(),
+        data_parallel_rank=parallel_state.get_data_parallel_rank(),
     )
     _state = state
     return state.runtime
@@ -199,6 +275,26 @@ def teardown() -> None:
     _undo(state)
 
 
+def device_scope() -> contextlib.AbstractContextManager[Any]:
+    """A ``with`` in which the runtime's CUDA device is this thread's current device (module
+    docstring); does nothing on CPU or before ``setup``."""
+    rt = current()
+    if rt is None or rt.device.type != "cuda":
+        return contextlib.nullcontext()
+    return torch.cuda.device(rt.device)
+
+
+def on_device(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Decorator: run ``fn`` inside ``device_scope()``."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with device_scope():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
 @contextlib.contextmanager
 def runtime(
     device: Device = "cpu",
@@ -206,6 +302,9 @@ def runtime(
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
     seed: int = 0,
+    world_size: int | None = None,
+    rank: int | None = None,
+    init_method: str | None = None,
 ) -> Iterator[Runtime]:
     """``setup`` for the body of a ``with``; ``teardown`` after it, unless it was already set
     up before the ``with`` (then it is left as it was)."""
@@ -215,6 +314,9 @@ def runtime(
         tensor_parallel_size=tensor_parallel_size,
         pipeline_parallel_size=pipeline_parallel_size,
         seed=seed,
+        world_size=world_size,
+        rank=rank,
+        init_method=init_method,
     )
     try:
         yield rt
@@ -227,19 +329,34 @@ def runtime(
 # Process group
 
 
-def _init_process_group(device: Device, state: _State) -> torch.device:
+def _init_process_group(
+    device: Device,
+    state: _State,
+    world_size: int | None,
+    rank: int | None,
+    init_method: str | None,
+) -> torch.device:
     """Start the default process group if none is up; returns the device models go on."""
     dist = torch.distributed
     if device == "cuda":
-        # torchrun sets LOCAL_RANK; one process per GPU.
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        torch_device = torch.device("cuda", torch.cuda.current_device())
+        # One process per GPU: torchrun's LOCAL_RANK, else the global rank on this host.
+        if "LOCAL_RANK" in os.environ:
+            local_rank = int(os.environ["LOCAL_RANK"])
+        else:
+            known = dist.get_rank() if dist.is_initialized() else rank
+            local_rank = (known or 0) % torch.cuda.device_count()
+        torch.cuda.set_device(local_rank)
+        torch_device = torch.device("cuda", local_rank)
     else:
         torch_device = torch.device("cpu")
     if dist.is_initialized():
         return torch_device
     backend = "nccl" if device == "cuda" else "gloo"
-    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+    if world_size is not None and rank is not None:
+        dist.init_process_group(
+            backend, init_method=init_method or "env://", world_size=world_size, rank=rank
+        )
+    elif "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
         dist.init_process_group(backend, init_method="env://")
     else:
         state.store_dir = Path(tempfile.mkdtemp(prefix="corral-megatron-"))
@@ -320,9 +437,10 @@ def _rebind_current_device() -> list[tuple[types.ModuleType, Any]]:
     return rebound
 
 
-def _install_cpu_rng_tracker(seed: int) -> tuple[Any, Any]:
-    """Put a CPU tracker, seeded as megatron seeds its CUDA one at tensor-parallel rank 0, into
-    megatron's tracker slot; returns the slot's previous content."""
+def _install_cpu_rng_tracker(seed: int, tp_rank: int) -> tuple[Any, Any]:
+    """Put a CPU tracker, seeded as megatron seeds its CUDA one at tensor-parallel rank
+    ``tp_rank`` (expert parallel rank 0), into megatron's tracker slot; returns the slot's
+    previous content."""
     random_module: Any = importlib.import_module(_RNG_MODULE)
     saved = (
         random_module._CUDA_RNG_STATE_TRACKER,
@@ -330,8 +448,10 @@ def _install_cpu_rng_tracker(seed: int) -> tuple[Any, Any]:
     )
     tracker = _cpu_tracker_class()()
     tracker.add(random_module._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
-    tracker.add(random_module._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + _TP_SEED_OFFSET)
-    tracker.add(random_module._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + _EXPERT_SEED_OFFSET)
+    tracker.add(random_module._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + _TP_SEED_OFFSET + tp_rank)
+    tracker.add(
+        random_module._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + _EXPERT_SEED_OFFSET + tp_rank
+    )
     random_module._CUDA_RNG_STATE_TRACKER = tracker
     random_module._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     return saved

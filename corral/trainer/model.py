@@ -21,6 +21,24 @@ How the families map onto megatron-core's ``TransformerConfig``:
   Llama 3.x frequency scaling through megatron's ``rope_scaling``, whose constants are fixed
   (low 1, high 4, original context 8192), so other values are refused;
 - tied or untied input/output embeddings; no dropout anywhere.
+
+Tensor parallelism (``TP`` from the running ``parallel_state``): ``build_model`` builds this
+rank's shard of the layers. The attention heads, the key/value heads (query groups) and the
+MLP's intermediate size must divide by ``TP`` (else ``UnsupportedModelError``: megatron-core's
+local attention cannot replicate key/value heads across ranks). The vocabulary is padded with
+zero rows up to a multiple of ``TP`` (``padded_vocab_size``); ``forward_logits`` drops the
+padding columns, so callers always see ``spec.vocab_size`` logits.
+
+Logits under TP are *gathered* (``parallel_output=False``): every tensor-parallel rank gets the
+full ``[batch, seq, vocab]`` logits and computes the same log-probs and entropies with the
+plain code of ``corral.trainer.batches``; the gather's backward hands each rank the gradient of
+its own vocabulary shard, so nothing is counted twice. This is the simple correct choice while
+one micro-batch's full logits fit in a device's memory: float32 logits cost ``4 x tokens x
+vocab`` bytes (about 5 GB for 8192 tokens of a 152k vocabulary), and a few copies of them live
+through the backward (log-softmax, its gradient). When that stops fitting (long micro-batches,
+large vocabularies, many TP ranks), compute the log-softmax vocab-parallel instead (max and
+sum of exponentials all-reduced over the TP group, as megatron's
+``vocab_parallel_cross_entropy`` does), which keeps ``1/TP`` of the logits per rank.
 """
 
 from __future__ import annotations
@@ -32,6 +50,8 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 import torch
 
+from corral.trainer.megatron_cpu import on_device
+
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
@@ -41,8 +61,10 @@ __all__ = [
     "ModelSpec",
     "UnsupportedModelError",
     "build_model",
+    "check_tensor_parallel",
     "forward_logits",
     "megatron_attention_mask",
+    "padded_vocab_size",
 ]
 
 Family = Literal["qwen2", "qwen3", "llama"]
@@ -174,6 +196,26 @@ class ModelSpec:
         )
 
 
+def padded_vocab_size(vocab_size: int, tensor_parallel_size: int) -> int:
+    """``vocab_size`` rounded up to a multiple of ``tensor_parallel_size`` (megatron's
+    vocab-parallel embedding and output layer split the vocabulary evenly)."""
+    return -(-vocab_size // tensor_parallel_size) * tensor_parallel_size
+
+
+def check_tensor_parallel(spec: ModelSpec, tensor_parallel_size: int) -> None:
+    """Raise ``UnsupportedModelError`` unless ``spec`` splits evenly over that many ranks."""
+    for what, count in (
+        ("attention heads", spec.num_attention_heads),
+        ("key/value heads", spec.num_query_groups),
+        ("MLP intermediate size", spec.ffn_hidden_size),
+    ):
+        if count % tensor_parallel_size:
+            raise UnsupportedModelError(
+                f"{count} {what} do not split over tensor parallel size {tensor_parallel_size}"
+            )
+
+
+@on_device
 def build_model(
     spec: ModelSpec,
     *,
@@ -181,12 +223,15 @@ def build_model(
     init: bool = True,
     parallel_output: bool = False,
 ) -> GPTModel:
-    """A megatron-core ``GPTModel`` for ``spec`` on the running runtime's device.
+    """A megatron-core ``GPTModel`` for ``spec`` on the running runtime's device: this
+    tensor-parallel rank's shard (module docstring), its vocabulary padded to
+    ``padded_vocab_size``.
 
     Needs ``corral.trainer.megatron_cpu.setup`` first (else ``RuntimeError``). ``init=False``
     leaves the parameters uninitialised, for ``convert.load_megatron_state_dict`` to fill.
     ``parallel_output=False`` (the default) gathers the vocabulary shards of the logits under
-    tensor parallelism, so ``forward_logits`` always returns the full vocabulary.
+    tensor parallelism, so ``forward_logits`` always returns the full vocabulary;
+    ``UnsupportedModelError`` when the heads or the MLP do not split over the TP ranks.
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -197,11 +242,12 @@ def build_model(
     if runtime is None:
         raise RuntimeError("call corral.trainer.megatron_cpu.setup() before build_model()")
     config = spec.transformer_config(device=runtime.device, dtype=dtype, init=init)
+    check_tensor_parallel(spec, config.tensor_model_parallel_size)
     layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
-        vocab_size=spec.vocab_size,
+        vocab_size=padded_vocab_size(spec.vocab_size, config.tensor_model_parallel_size),
         max_sequence_length=spec.max_position_embeddings,
         parallel_output=parallel_output,
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
@@ -210,7 +256,38 @@ def build_model(
         rope_scaling=spec.rope_llama3_factor is not None,
         rope_scaling_factor=spec.rope_llama3_factor or 8.0,
     )
+    if not init:
+        _declare_tensor_parallel_weights(model)
+    # The vocabulary the caller sees; forward_logits drops the padding columns past it.
+    model.corral_vocab_size = spec.vocab_size
     return model.to(runtime.device)
+
+
+def _declare_tensor_parallel_weights(model: GPTModel) -> None:
+    """Mark the sharded weights as megatron's initialisation would have.
+
+    megatron-core 0.16 sets a parallel layer's weight attributes (``tensor_model_parallel``,
+    ``partition_dim``, ``partition_stride``) only inside its weight *initialisation*, so a model
+    built with ``perform_initialization=False`` (on CPU or GPU) has sharded weights that look
+    replicated; a global gradient norm that counts replicated parameters once would then
+    count only rank 0's shards. The biases are marked either way."""
+    from megatron.core.tensor_parallel import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+
+    for module in model.modules():
+        if isinstance(module, ColumnParallelLinear | VocabParallelEmbedding):
+            dim = 0
+        elif isinstance(module, RowParallelLinear):
+            dim = 1
+        else:
+            continue
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.nn.Parameter) and not hasattr(weight, "partition_dim"):
+            set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=1)
 
 
 def megatron_attention_mask(
@@ -239,6 +316,7 @@ def megatron_attention_mask(
     return blocked
 
 
+@on_device
 def forward_logits(
     model: GPTModel,
     input_ids: torch.Tensor,
@@ -254,7 +332,9 @@ def forward_logits(
     only on the distance between two positions, a left-padded or packed sample gets the same
     logits (to float rounding) as the sample alone, as long as the masks keep it from attending
     outside.
-    Logits at padding positions are meaningless.
+    Logits at padding positions are meaningless. Under tensor parallelism every rank of the
+    tensor-parallel group must call this with the same inputs (the layers' collectives), and
+    each gets the full logits (the module docstring says why).
     """
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
@@ -263,6 +343,9 @@ def forward_logits(
     mask = megatron_attention_mask(input_ids, attention_mask, segment_ids)
     position_ids = torch.arange(seq, device=input_ids.device).expand(batch, seq)
     logits: torch.Tensor = model(input_ids, position_ids, mask)
+    vocab = getattr(model, "corral_vocab_size", None)
+    if vocab is not None and logits.shape[-1] > vocab:
+        logits = logits[..., :vocab]
     return logits
 
 

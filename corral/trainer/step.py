@@ -7,11 +7,24 @@ micro-batch before one optimizer step: the losses are normalised per step (see
 :func:`push_weights` writes the model as a Hugging Face folder and has an engine load it
 (``update_weights_from_disk``), bumping the engine's weight version.
 
+Parallel (``corral.trainer.megatron_cpu.setup`` with a world of several ranks): every rank
+calls :func:`policy_update` with the same groups (share them with
+:func:`corral.trainer.parallel.broadcast_objects`). Every rank packs the whole step's
+micro-batches the same way; each data-parallel replica trains on its share of them, balanced
+by tokens (:func:`corral.trainer.parallel.data_parallel_share`), the tensor-parallel ranks of a
+replica on the same ones. The gradients are then summed over the data-parallel group, which is
+the whole step's gradient because the loss is normalised over the whole step (see
+:mod:`corral.trainer.parallel`), clipped by the global norm, and every rank steps its optimizer
+on the same gradients of its shard. The metrics are summed over the replicas, so they are the
+step's on every rank. :func:`push_weights` is called by every rank; one writes and one talks to
+the engine.
+
 The training loop (rollouts, evaluation, checkpoints, metrics files) builds on these two.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -20,9 +33,11 @@ from typing import Any
 
 import torch
 
+from corral.trainer import parallel
 from corral.trainer.batches import batch_token_stats, build_train_samples, pack_micro_batches
 from corral.trainer.groups import Group
 from corral.trainer.losses import LossConfig, batch_policy_loss, grpo_advantages
+from corral.trainer.megatron_cpu import on_device
 
 
 @dataclass(frozen=True)
@@ -37,6 +52,7 @@ class UpdateSettings:
     pad_id: int = 0
 
 
+@on_device
 def policy_update(
     model: Any,
     optimizer: torch.optim.Optimizer,
@@ -48,18 +64,25 @@ def policy_update(
     ``clip_fraction``, ``tis_weight``, ``entropy``, ``kl`` when there are reference logprobs),
     ``grad_norm`` (before clipping), and counts (``rollouts``, ``samples``, ``micro_batches``,
     ``tokens``, ``trained_tokens``). ValueError for samples that do not fit together (see
-    :func:`corral.trainer.batches.build_train_samples`)."""
+    :func:`corral.trainer.batches.build_train_samples`).
+
+    In a world of several ranks every rank calls this with the same groups (module docstring);
+    the metrics, ``grad_norm`` included, are the whole step's and the same on every rank
+    (``micro_batches`` counts the step's, not this replica's share)."""
     from corral.trainer.model import forward_logits
 
+    if parallel.pipeline_parallel_size() > 1:
+        raise ValueError("policy_update does not run pipeline-parallel models (no schedule)")
     settings = settings or UpdateSettings()
     advantages = grpo_advantages(groups, normalize_std=settings.normalize_std)
     samples = build_train_samples(groups, advantages)
     micro_batches = pack_micro_batches(samples, settings.max_tokens_per_micro_batch)
+    share = parallel.data_parallel_share([mb.num_tokens for mb in micro_batches])
     model.train()
     optimizer.zero_grad(set_to_none=True)
     totals: dict[str, float] = defaultdict(float)
     device = next(model.parameters()).device
-    for mb in micro_batches:
+    for mb in (micro_batches[i] for i in share):
         tokens, mask = mb.padded(settings.pad_id)
         logits = forward_logits(model, tokens.to(device), attention_mask=mask.to(device))
         stats = batch_token_stats(logits, mb, temperature=settings.temperature)
@@ -67,10 +90,12 @@ def policy_update(
         out.loss.backward()
         for name, value in out.metrics.items():
             totals[name] += float(value)
+    parallel.finish_gradients(model)
     params = [p for p in model.parameters() if p.grad is not None]
-    max_norm = settings.max_grad_norm if settings.max_grad_norm is not None else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    max_norm = settings.max_grad_norm if settings.max_grad_norm is not None else math.inf
+    grad_norm = parallel.clip_grad_norm(params, max_norm)
     optimizer.step()
+    totals = defaultdict(float, parallel.sum_over_data_parallel(totals))
     totals.update(
         grad_norm=float(grad_norm),
         rollouts=float(len(advantages)),
@@ -93,11 +118,18 @@ async def push_weights(
 ) -> Path:
     """Save ``model`` as a Hugging Face folder under ``out_dir`` and have the engine at
     ``engine_url`` load it as weight version ``version``. Raises the engine client's
-    ``EngineError`` when the engine refuses the load (the folder stays for a retry)."""
+    ``EngineError`` when the engine refuses the load (the folder stays for a retry).
+
+    In a world of several ranks every rank calls this (the weights are gathered over the
+    tensor-parallel group); only global rank 0 asks the engine to load them, and the others
+    return the path without waiting for the engine."""
     from corral.engines.sglang import SGLangClient
     from corral.trainer.convert import save_hf_checkpoint
 
     path = save_hf_checkpoint(model, spec, out_dir, tokenizer_from=tokenizer_from)
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if distributed and torch.distributed.get_rank() != 0:
+        return path
     async with SGLangClient(engine_url) as engine:
         await engine.update_weights_from_disk(str(path), weight_version=version)
     return path
