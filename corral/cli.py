@@ -449,8 +449,10 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--access-log", action="store_true", help="log every request")
     gateway.set_defaults(func=cmd_gateway)
     from corral.adapters.agents import add_play_command
+    from corral.trainer.commands import add_train_commands
 
     add_play_command(sub)
+    add_train_commands(sub)
     return parser
 
 

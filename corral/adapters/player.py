@@ -149,8 +149,10 @@ class Player:
         group_index: int | None = None,
         index: int | None = None,
         metadata: dict[str, Any] | None = None,
+        sampling: dict[str, Any] | None = None,
     ) -> Rollout:
-        """Play ``row`` once (see the module docstring for what fails and how).
+        """Play ``row`` once (see the module docstring for what fails and how). ``sampling``
+        overrides the player's for this rollout (a per-rollout ``seed``, say).
         :class:`PlayerError` for a row that cannot be played at all."""
         started = time.monotonic()
         try:
@@ -171,7 +173,7 @@ class Player:
                 metadata={**tags, **(metadata or {})},
                 group_index=group_index,
                 index=index,
-                sampling=self.sampling,
+                sampling={**self.sampling, **(sampling or {})},
             )
         except BaseException as exc:
             reset.cancel()

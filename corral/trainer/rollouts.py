@@ -12,21 +12,24 @@ their groups.
 from __future__ import annotations
 
 import asyncio
-import itertools
+import hashlib
 import random
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
 
 from corral.adapters.player import Player, Rollout
 from corral.adapters.rows import Row
 from corral.trainer.groups import Group
 
+T = TypeVar("T")
 
-class RowSampler:
-    """Rows in a seeded random order, reshuffled every epoch. Its position (``epoch``,
-    ``offset``) is all a resumed run needs to continue the same sequence."""
 
-    def __init__(self, rows: Sequence[Row], *, seed: int = 0) -> None:
+class RowSampler(Generic[T]):
+    """Rows (or any items: SFT takes conversations) in a seeded random order, reshuffled every
+    epoch. Its position (``epoch``, ``offset``) is all a resumed run needs to continue the
+    same sequence."""
+
+    def __init__(self, rows: Sequence[T], *, seed: int = 0) -> None:
         if not rows:
             raise ValueError("no rows to train on")
         self.rows = list(rows)
@@ -40,7 +43,7 @@ class RowSampler:
         random.Random(f"{self.seed}/{epoch}").shuffle(order)
         return order
 
-    def take(self, n: int) -> list[Row]:
+    def take(self, n: int) -> list[T]:
         """The next ``n`` rows (crossing into the next epoch when this one runs out)."""
         out = []
         for _ in range(n):
@@ -61,16 +64,22 @@ class RowSampler:
 
 class GroupDraw:
     """``draw(n)`` for :func:`~corral.trainer.groups.fill_batch` (module docstring). Group
-    indices are unique across the run (a counter), so groups never mix between draws."""
+    indices are unique across the run (``next_group_index`` counts on; a resumed run restores
+    it), so groups never mix between draws. With ``seed`` set, rollout ``k`` of group ``g`` is
+    sampled with the seed derived from ``(seed, g, k)``: a resumed run plays the same rollouts
+    as the run it continues, at any temperature (given the same weights)."""
 
     def __init__(
         self,
         player: Player,
-        rows: RowSampler,
+        rows: RowSampler[Row],
         *,
         rollouts_per_row: int,
         concurrency: int = 8,
         metadata: dict[str, Any] | None = None,
+        seed: int | None = None,
+        next_group_index: int = 0,
+        on_played: Callable[[Rollout], None] | None = None,
     ) -> None:
         if rollouts_per_row < 1 or concurrency < 1:
             raise ValueError("rollouts_per_row and concurrency must be at least 1")
@@ -78,19 +87,33 @@ class GroupDraw:
         self.rows = rows
         self.rollouts_per_row = rollouts_per_row
         self.metadata = dict(metadata or {})
+        self.seed = seed
+        self.next_group_index = next_group_index
+        self.on_played = on_played
         self._room = asyncio.Semaphore(concurrency)
-        self._groups = itertools.count()
-        self.played: list[Rollout] = []  # every rollout of the current step, for metrics
+        self.played: list[Rollout] = []  # every rollout since the last take_played()
+
+    def take_played(self) -> list[Rollout]:
+        """The rollouts played since the last call (for a step's metrics), and forget them."""
+        played, self.played = self.played, []
+        return played
 
     async def _one(self, row: Row, group_index: int, index: int) -> Rollout:
+        sampling = (
+            None if self.seed is None else {"seed": rollout_seed(self.seed, group_index, index)}
+        )
         async with self._room:
-            return await self.player.play(
-                row, group_index=group_index, index=index, metadata=self.metadata
+            rollout = await self.player.play(
+                row, group_index=group_index, index=index, metadata=self.metadata, sampling=sampling
             )
+        if self.on_played is not None:
+            self.on_played(rollout)
+        return rollout
 
     async def __call__(self, n: int) -> list[Group]:
         rows = self.rows.take(n)
-        indices = [next(self._groups) for _ in rows]
+        indices = list(range(self.next_group_index, self.next_group_index + len(rows)))
+        self.next_group_index += len(rows)
         async with asyncio.TaskGroup() as tg:
             tasks = [
                 [tg.create_task(self._one(row, g, k)) for k in range(self.rollouts_per_row)]
@@ -99,3 +122,10 @@ class GroupDraw:
         played = [[t.result() for t in row_tasks] for row_tasks in tasks]
         self.played.extend(r for group in played for r in group)
         return [Group.from_player(group) for group in played]
+
+
+def rollout_seed(seed: int, group_index: int, index: int) -> int:
+    """A sampling seed for rollout ``index`` of group ``group_index``: stable across runs and
+    processes (not Python's salted ``hash``), below 2**62."""
+    digest = hashlib.sha256(f"{seed}/{group_index}/{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 2

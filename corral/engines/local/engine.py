@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -414,6 +414,7 @@ class LocalEngine:
         self._model_lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
         self._executor: ThreadPoolExecutor | None = None
+        self._event_loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -426,6 +427,7 @@ class LocalEngine:
         self._wake = asyncio.Event()
         self._model_lock = asyncio.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="corral-engine")
+        self._event_loop = asyncio.get_running_loop()
         self._task = asyncio.create_task(self._loop(), name="corral-engine-scheduler")
 
     async def stop(self) -> None:
@@ -558,6 +560,42 @@ class LocalEngine:
             self.weight_version = weight_version or str(self._updates)
             self.model_path = str(model_path)
         return UpdateWeightsResponse(success=True, message=f"weights loaded from {model_path}")
+
+    async def update_weights_from_tensors(
+        self, tensors: Mapping[str, torch.Tensor], weight_version: str | None = None
+    ) -> UpdateWeightsResponse:
+        """Copy ``tensors`` (a Hugging Face state dict of the loaded architecture, from a
+        trainer in this process) into the model between two steps: no disk, no new model.
+
+        Same semantics as :meth:`update_weights_from_disk` for requests in flight. Every
+        parameter must be given (tied ones may be left out) with its shape; otherwise nothing
+        changes and ``success`` is False with the names that did not fit. Must be awaited on
+        the engine's loop (:attr:`loop`; from another thread use
+        ``asyncio.run_coroutine_threadsafe``)."""
+        async with self._model_lock:
+            model = self._worker.model
+            own = model.state_dict()
+            # Tied parameters appear once among named_parameters: either name may be given.
+            unknown = sorted(set(tensors) - set(own))
+            missing = sorted(set(dict(model.named_parameters())) - set(tensors))
+            shapes = sorted(n for n, t in tensors.items() if n in own and t.shape != own[n].shape)
+            if unknown or missing or shapes:
+                return UpdateWeightsResponse(
+                    success=False,
+                    message=f"tensors do not fit the loaded model: unknown {unknown[:5]}, "
+                    f"missing {missing[:5]}, wrong shape {shapes[:5]}",
+                )
+            with torch.no_grad():
+                for name, tensor in tensors.items():
+                    own[name].copy_(tensor)
+            self._updates += 1
+            self.weight_version = weight_version or str(self._updates)
+        return UpdateWeightsResponse(success=True, message=f"{len(tensors)} tensors loaded")
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the engine was started on (``None`` before :meth:`start`)."""
+        return self._event_loop
 
     # -- internals --------------------------------------------------------------------------
 

@@ -1,0 +1,249 @@
+"""The settings of a training run: one TOML file, every field optional.
+
+``corral train [CONFIG.toml] [--set section.key=value ...]`` reads a :class:`TrainConfig`. With
+no file the run uses the embedded defaults: the tiny model, the local engine and gateway in this
+process, and the gridsim bundle served here with each episode in a ``local`` sandbox. A run is
+pointed at existing services instead by ``[engine] url``/``gateway`` and ``[env] url``.
+
+The resolved config is written into the run folder (``config.json``); a resumed run reads its
+checkpoint, not the file, for everything that makes steps reproducible (the data order, group
+numbering, RNG states), so changing e.g. ``steps`` in the file and resuming extends a run.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from corral.trainer.losses import KL_ESTIMATORS, LossConfig
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSettings(_Section):
+    """The policy. ``path``: a Hugging Face folder (Qwen2/Qwen3/Llama family); unset means the
+    tiny model, built offline and cached. ``dtype`` is the trainer's parameter dtype."""
+
+    path: Path | None = None
+    device: Literal["cpu", "cuda"] = "cpu"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    tensor_parallel: int = Field(default=1, ge=1)
+
+
+class EnvSettings(_Section):
+    """Where episodes run. ``url`` set: an env server already serving (its rows are read from
+    it). Unset: ``bundle`` is served in this process, episodes in ``sandbox`` sandboxes."""
+
+    bundle: Path = Path("bundles/gridsim")
+    url: str | None = None
+    token_var: str | None = None
+    sandbox: str | None = "local"
+    train_split: str = "train"
+    eval_split: str = "eval"
+    max_turns: int = Field(default=4, ge=1)
+    tool_timeout: float = Field(default=60.0, gt=0)
+    model_timeout: float = Field(default=600.0, gt=0)
+
+
+class EngineSettings(_Section):
+    """The inference side. Unset ``url``: the local engine and a gateway in this process (the
+    weights go to it in memory). Set: an SGLang engine (or several, comma-separated) that the
+    gateway at ``gateway`` fronts; weights go through ``update_weights_from_disk`` from
+    ``<run>/weights`` (a path the engines must be able to read)."""
+
+    url: str | None = None
+    gateway: str | None = None
+    admin_token_var: str | None = None
+
+    @model_validator(mode="after")
+    def _both_or_neither(self) -> EngineSettings:
+        if (self.url is None) != (self.gateway is None):
+            raise ValueError("[engine] url and gateway go together (or neither: the local engine)")
+        return self
+
+
+class RolloutSettings(_Section):
+    """A step's data: ``groups_per_step`` rows kept after the group filter, each played
+    ``rollouts_per_row`` times; failed groups are replaced by new draws, at most ``max_draws``
+    draws per step."""
+
+    groups_per_step: int = Field(default=4, ge=1)
+    rollouts_per_row: int = Field(default=4, ge=1)
+    concurrency: int = Field(default=8, ge=1)
+    max_draws: int = Field(default=4, ge=1)
+    drop_all_equal: bool = False
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    max_tokens: int = Field(default=256, ge=1)
+    # Off-policy by one: the next step's rollouts are played while this step trains.
+    overlap: bool = False
+
+    def sampling(self) -> dict[str, Any]:
+        return {"temperature": self.temperature, "top_p": self.top_p, "max_tokens": self.max_tokens}
+
+
+class OptimSettings(_Section):
+    lr: float = Field(default=1e-5, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    beta1: float = Field(default=0.9, ge=0, lt=1)
+    beta2: float = Field(default=0.999, ge=0, lt=1)
+    max_grad_norm: float | None = Field(default=1.0, gt=0)
+    max_tokens_per_micro_batch: int = Field(default=8192, ge=1)
+
+
+class LossSettings(_Section):
+    """See :class:`corral.trainer.losses.LossConfig`; ``normalize_std`` divides GRPO
+    advantages by the group's reward std."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    tis_cap: float | None = 2.0
+    kl_coef: float = 0.0
+    kl_estimator: str = "low_var_kl"
+    entropy_coef: float = 0.0
+    normalize_std: bool = True
+
+    @model_validator(mode="after")
+    def _valid(self) -> LossSettings:
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}")
+        self.loss_config()  # LossConfig's own range checks
+        return self
+
+    def loss_config(self) -> LossConfig:
+        return LossConfig(
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            tis_cap=self.tis_cap,
+            kl_coef=self.kl_coef,
+            kl_estimator=self.kl_estimator,  # type: ignore[arg-type]
+            entropy_coef=self.entropy_coef,
+        )
+
+
+class ScheduleSettings(_Section):
+    """``eval_every``/``checkpoint_every`` in steps (0: never; evaluation also runs before the
+    first step and after the last when it is on). ``eval_limit`` caps the eval rows used."""
+
+    steps: int = Field(default=10, ge=0)
+    eval_every: int = Field(default=5, ge=0)
+    eval_limit: int | None = Field(default=None, ge=1)
+    eval_temperature: float = Field(default=0.0, ge=0)
+    checkpoint_every: int = Field(default=5, ge=0)
+    keep_checkpoints: int = Field(default=2, ge=1)
+
+
+class RaySettings(_Section):
+    """``address`` set (``"local"`` starts a Ray here): the run is placed on that cluster. The
+    trainer runs as one Ray task (holding a GPU when ``model.device`` is cuda) with the local
+    engine and gateway in it unless ``[engine] url``; ``env_servers`` env-server actors serve
+    the bundle unless ``[env] url``; ``rollout_workers`` actors play the rollouts. Every node
+    needs corral installed and the bundle at the same path."""
+
+    address: str | None = None
+    rollout_workers: int = Field(default=2, ge=1)
+    env_servers: int = Field(default=1, ge=1)
+
+
+class TrainConfig(_Section):
+    """A whole run (module docstring). ``run_dir`` holds metrics, checkpoints and evals; a run
+    whose folder has a checkpoint resumes from it."""
+
+    run_dir: Path = Path("runs/train")
+    seed: int = 0
+    model: ModelSettings = ModelSettings()
+    env: EnvSettings = EnvSettings()
+    engine: EngineSettings = EngineSettings()
+    rollout: RolloutSettings = RolloutSettings()
+    optim: OptimSettings = OptimSettings()
+    loss: LossSettings = LossSettings()
+    schedule: ScheduleSettings = ScheduleSettings()
+    tensorboard: bool = True
+    ray: RaySettings = RaySettings()
+
+
+C = TypeVar("C", bound=BaseModel)
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used; the message names the field."""
+
+
+def load_config(path: Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """The RL config in ``path`` (TOML; ``None``: the defaults) with ``overrides`` applied, each
+    ``section.key=value`` where value is read as TOML (``rollout.temperature=1.2``,
+    ``env.url="http://..."``; a bare word that is not TOML is taken as a string).
+
+    ConfigError for an unreadable or invalid file, a malformed override, an unknown field or
+    an out-of-range value."""
+    return _load(TrainConfig, path, overrides)
+
+
+def load_sft_config(path: Path | None = None, overrides: list[str] | None = None) -> SftConfig:
+    """:func:`load_config` for :class:`SftConfig`."""
+    return _load(SftConfig, path, overrides)
+
+
+def _load(kind: type[C], path: Path | None, overrides: list[str] | None) -> C:
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+    for item in overrides or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} is not section.key=value")
+        *parents, leaf = key.strip().split(".")
+        node = data
+        for part in parents:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {part} is not a section")
+            node = child
+        node[leaf] = _toml_value(raw.strip())
+    try:
+        return kind.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg']}"
+            for err in exc.errors()
+        )
+        raise ConfigError(f"invalid training config: {problems}") from None
+
+
+def _toml_value(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+class SftConfig(_Section):
+    """``corral sft``: supervised fine-tuning on chat transcripts (``data``, JSONL in OpenAI's
+    chat fine-tuning shape; see :mod:`corral.trainer.sft`), the warm start before RL. Each
+    step trains on ``batch_size`` conversations; ``epochs`` passes over the data. The result
+    is a Hugging Face folder, ``<run_dir>/model``, that ``[model] path`` of an RL run (or an
+    engine) takes as it is."""
+
+    data: Path
+    eval_data: Path | None = None
+    run_dir: Path = Path("runs/sft")
+    seed: int = 0
+    model: ModelSettings = ModelSettings()
+    optim: OptimSettings = OptimSettings()
+    batch_size: int = Field(default=16, ge=1)
+    epochs: float = Field(default=1.0, gt=0)
+    max_tokens: int | None = Field(default=None, ge=1)
+    eval_every: int = Field(default=0, ge=0)
+    checkpoint_every: int = Field(default=0, ge=0)
+    keep_checkpoints: int = Field(default=2, ge=1)
+    tensorboard: bool = True

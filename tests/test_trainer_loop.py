@@ -1,0 +1,257 @@
+"""The training loop end to end on CPU against real local servers: the local engine and gateway
+(tiny model), the weather bundle's env server, the megatron-core trainer. Rows ``ok`` (graded 1
+when the model asks for the prompt's city) and ``wrong`` (graded 0 whatever it asks)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from corral.adapters.rows import RowSettings, read_rows, write_rows
+from corral.envs.server import build_app
+from corral.stack import StackURLs, local_stack
+from corral.trainer.config import ConfigError, TrainConfig, load_config
+from corral.trainer.metrics import STEP_KEYS, read_metrics
+from tests.servers import serve
+from tests.weather import write_weather_bundle
+
+pytest.importorskip("megatron.core", reason="pip install 'corral[train]'")
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir: Path) -> Iterator[StackURLs]:
+    with local_stack(tiny_model_dir) as urls:
+        yield urls
+
+
+def _config(run_dir: Path, **sections: dict[str, Any]) -> TrainConfig:
+    base: dict[str, Any] = {
+        "run_dir": str(run_dir),
+        "seed": 7,
+        "tensorboard": True,
+        "rollout": {"groups_per_step": 2, "rollouts_per_row": 2, "temperature": 1.0,
+                    "max_tokens": 48, "concurrency": 4},
+        "optim": {"lr": 1e-3, "max_tokens_per_micro_batch": 256},
+        "schedule": {"steps": 2, "eval_every": 2, "checkpoint_every": 1},
+        # An entropy bonus: every step has a gradient, whatever the rewards' spread.
+        "loss": {"entropy_coef": 0.01},
+    }  # fmt: skip
+    for name, values in sections.items():
+        base[name] = {**base.get(name, {}), **values}
+    return TrainConfig.model_validate(base)
+
+
+def _services(stack: StackURLs, rows: list[Any], model: Path, *, disk: Path | None = None) -> Any:
+    from corral.trainer.loop import Services
+    from corral.trainer.weights import DiskWeightSync, InProcessWeightSync
+
+    assert stack.local_engine is not None
+    sync: Any = (
+        InProcessWeightSync(stack.local_engine)
+        if disk is None
+        else DiskWeightSync([stack.engine], disk, tokenizer_from=model)
+    )
+    return Services(
+        gateway=stack.gateway,
+        admin_token=None,
+        train_rows=rows,
+        eval_rows=rows,
+        weight_sync=sync,
+        model_path=model,
+        eval_groups={r.metadata.task_id: r.metadata.task_id for r in rows},
+        group_by="task",
+    )
+
+
+async def _rows(tmp_path: Path, url: str) -> list[Any]:
+    await asyncio.to_thread(write_rows, url, tmp_path / "rows", RowSettings(max_turns=2))
+    return read_rows(tmp_path / "rows" / "all.jsonl")
+
+
+async def _train(config: TrainConfig, services: Any) -> list[dict[str, Any]]:
+    from corral.trainer.loop import Trainer
+
+    return await Trainer(config, services).run()
+
+
+def _checkpoint(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    path = run_dir / "checkpoints" / f"step-{step:06d}" / "model-rank0.pt"
+    return torch.load(path, weights_only=True)
+
+
+async def _engine_version(stack: StackURLs) -> str:
+    async with httpx.AsyncClient() as http:
+        return str((await http.get(f"{stack.engine}/get_model_info")).json()["weight_version"])
+
+
+async def test_a_run_trains_evaluates_checkpoints_and_resumes_exactly(
+    stack: StackURLs, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    bundle = write_weather_bundle(tmp_path / "weather", modes=("ok", "wrong"))
+    with serve(build_app(bundle)) as url:
+        rows = await _rows(tmp_path, url)
+        services = _services(stack, rows, tiny_model_dir)
+        straight = await _train(_config(tmp_path / "a"), services)
+        assert await _engine_version(stack) == "step-2"
+
+        # The same run, stopped after one step and resumed (weights pushed through disk now).
+        disk = _services(stack, rows, tiny_model_dir, disk=tmp_path / "weights")
+        first = await _train(_config(tmp_path / "b", schedule={"steps": 1}), disk)
+        resumed = await _train(_config(tmp_path / "b"), disk)
+        assert await _engine_version(stack) == "step-2"
+
+    kinds = [(line["step"], line.get("kind", "step")) for line in straight]
+    assert kinds == [(0, "eval"), (1, "step"), (2, "step"), (2, "eval")]
+    for line in straight[1:3]:
+        missing = [k for k in STEP_KEYS if k not in line]
+        assert not missing
+        unmeasured = [k for k in STEP_KEYS if isinstance(line[k], float) and math.isnan(line[k])]
+        assert unmeasured == ["kl"]  # no reference model
+        assert line["rollouts"] == 4 and line["groups"] == 2 and line["grad_norm"] > 0
+        assert line["time/generation"] > 0 and line["time/training"] > 0
+    evals = [line for line in straight if line.get("kind") == "eval"]
+    assert all(line["eval/episodes"] == 2 for line in evals)
+    assert {"eval/group/w-ok", "eval/group/w-wrong"} <= set(evals[0])
+    assert evals[0]["eval/group/w-wrong"] == 0.0  # graded 0 whatever the model asks
+
+    # The file matches what run() returned, with null (strict JSON) where nothing was measured.
+    on_disk = read_metrics(tmp_path / "a")
+    assert [line["step"] for line in on_disk] == [0, 1, 2, 2]
+    assert on_disk[1]["kl"] is None
+    assert "NaN" not in (tmp_path / "a" / "metrics.jsonl").read_text()
+    assert list((tmp_path / "a" / "tensorboard").glob("events.out.tfevents.*"))
+    assert (tmp_path / "a" / "evals" / "step-000002" / "summary.json").is_file()
+
+    # Training changed the weights.
+    initial = _checkpoint(tmp_path / "b", 1)
+    final = _checkpoint(tmp_path / "a", 2)
+    assert any(not torch.equal(initial[n], final[n]) for n in initial)
+
+    # Resume: the next step is the uninterrupted run's (seeded rollouts, same data order).
+    assert [line["step"] for line in first] == [0, 1, 1]
+    assert [(line["step"], line.get("kind", "step")) for line in resumed] == [
+        (2, "step"),
+        (2, "eval"),
+    ]
+    a2, b2 = straight[2], resumed[0]
+    for key in ("reward/mean", "tokens", "trained_tokens", "samples", "rollouts"):
+        assert a2[key] == b2[key], key
+    for key in ("loss", "pg_loss", "entropy", "grad_norm", "tis_weight"):
+        assert b2[key] == pytest.approx(a2[key], rel=1e-4, abs=1e-6), key
+    b_final = _checkpoint(tmp_path / "b", 2)
+    for name, tensor in final.items():
+        torch.testing.assert_close(b_final[name], tensor, rtol=1e-4, atol=1e-6)
+    assert [line["step"] for line in read_metrics(tmp_path / "b")] == [0, 1, 2, 2]
+
+
+async def test_overlap_plays_the_next_steps_rollouts_while_training(
+    stack: StackURLs, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    bundle = write_weather_bundle(tmp_path / "weather", modes=("ok", "wrong"))
+    with serve(build_app(bundle)) as url:
+        rows = await _rows(tmp_path, url)
+        config = _config(
+            tmp_path / "c",
+            rollout={"overlap": True},
+            schedule={"steps": 3, "eval_every": 0, "checkpoint_every": 2},
+        )
+        lines = await _train(config, _services(stack, rows, tiny_model_dir))
+    assert [line["step"] for line in lines] == [1, 2, 3]
+    assert all(line["rollouts"] == 4 for line in lines)
+    # The checkpoint of step 2 points at the rows the already running fill of step 3 took.
+    state = json.loads((tmp_path / "c" / "checkpoints" / "step-000002" / "state.json").read_text())
+    assert state["next_group_index"] == 4 and state["sampler"] == {"epoch": 1, "offset": 2}
+
+
+async def test_a_batch_that_cannot_fill_stops_the_run_with_the_reasons(
+    stack: StackURLs, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from corral.trainer.groups import BatchUnfillable
+
+    bundle = write_weather_bundle(tmp_path / "weather", modes=("raise",))
+    with serve(build_app(bundle)) as url:
+        rows = await _rows(tmp_path, url)
+        config = _config(
+            tmp_path / "d",
+            rollout={"groups_per_step": 1, "max_draws": 2, "temperature": 0.0},
+            schedule={"eval_every": 0},
+        )
+        with pytest.raises(BatchUnfillable, match=r"max_draws \(2\).*failed_rollout: 2"):
+            await _train(config, _services(stack, rows, tiny_model_dir))
+    assert not (tmp_path / "d" / "checkpoints").exists()
+
+
+def test_config_errors_name_the_field(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[rollout]\ngroups_per_step = 0\n")
+    with pytest.raises(ConfigError, match=r"rollout\.groups_per_step"):
+        load_config(bad)
+    bad.write_text("[rollout\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match=r"optim\.learning_rate"):
+        load_config(None, ["optim.learning_rate=1"])
+    with pytest.raises(ConfigError, match=r"not section\.key=value"):
+        load_config(None, ["steps"])
+    with pytest.raises(ConfigError, match="url and gateway go together"):
+        load_config(None, ['engine.url="http://127.0.0.1:1"'])
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "absent.toml")
+    good = load_config(None, ["rollout.temperature=1.5", "env.url=http://host:1"])
+    assert good.rollout.temperature == 1.5 and good.env.url == "http://host:1"
+
+
+def test_metrics_files_and_the_plot(tmp_path: Path) -> None:
+    from corral.trainer.metrics import MetricsWriter
+    from corral.trainer.plot import plot_run
+
+    with MetricsWriter(tmp_path, tensorboard=False) as out:
+        out.write({"step": 0, "kind": "eval", "eval/reward/mean": 0.2, "eval/reward/se": 0.05})
+        for step in (1, 2):
+            out.write({"step": step, "reward/mean": 0.1 * step, "kl": math.nan,
+                       "time/generation": 1.0, "time/training": 2.0, "time/weight_sync": 0.1,
+                       "dropped/failed_rollout": step - 1})  # fmt: skip
+    # A resumed run from step 1 drops what a crash left beyond it.
+    MetricsWriter(tmp_path, tensorboard=False, resume_step=1).close()
+    assert [line["step"] for line in read_metrics(tmp_path)] == [0, 1]
+    png = plot_run(tmp_path)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "rew')  # torn by a crash: skipped
+    assert len(read_metrics(tmp_path)) == 2
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:2"):
+        read_metrics(tmp_path)
+
+
+def test_corral_train_serves_its_own_stack_and_plots(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The command as the README runs it: engine, gateway and env server (episodes in local
+    sandboxes) started by ``corral train`` itself, rows written into the run folder."""
+    from corral.cli import main
+
+    bundle = write_weather_bundle(tmp_path / "weather", modes=("ok", "wrong"))
+    run = tmp_path / "run"
+    sets = [f'model.path="{tiny_model_dir}"', f'env.bundle="{bundle}"', 'env.eval_split="train"',
+            "rollout.groups_per_step=2", "rollout.rollouts_per_row=2", "rollout.temperature=0",
+            "rollout.max_tokens=48", "schedule.eval_every=1", "tensorboard=false"]  # fmt: skip
+    rc = main(["train", "--run-dir", str(run), "--steps", "1", *[f"--set={s}" for s in sets]])
+    assert rc == 0
+    lines = read_metrics(run)
+    assert [(m["step"], m.get("kind", "step")) for m in lines] == [
+        (0, "eval"),
+        (1, "step"),
+        (1, "eval"),
+    ]
+    assert lines[0]["eval/reward/mean"] == 0.5 and lines[1]["reward/mean"] == 0.5  # greedy
+    assert (run / "rows" / "train.jsonl").is_file()
+    assert json.loads((run / "config.json").read_text())["schedule"]["steps"] == 1
+    assert (run / "curves.png").stat().st_size > 10_000
+    assert main(["train", "--set", "rollout.temperature=-1"]) == 2

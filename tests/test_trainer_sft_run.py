@@ -1,0 +1,76 @@
+"""``corral sft`` end to end on CPU: weather-tool conversations in OpenAI's fine-tuning shape,
+the tiny model trained on them, eval loss, checkpoints, an exact resume, and the result as a
+Hugging Face folder that transformers loads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from corral.cli import main
+from corral.engines.tiny_model import CITIES, TOOLS
+from corral.trainer.metrics import read_metrics
+
+pytest.importorskip("megatron.core", reason="pip install 'corral[train]'")
+
+
+def _conversation(city: str, i: int) -> dict[str, object]:
+    function = {"name": "get_weather", "arguments": json.dumps({"city": city})}
+    call = {"id": f"call_{i}", "type": "function", "function": function}
+    return {
+        "messages": [
+            {"role": "user", "content": f"What is the weather in {city}?"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"call_{i}", "content": f"rain in {city}"},
+            {"role": "assistant", "content": f"It rains in {city}."},
+        ],
+        "tools": TOOLS,
+    }
+
+
+def _args(data: Path, run: Path, model: Path, *extra: str) -> list[str]:
+    sets = ["batch_size=4", "optim.lr=3e-3", "checkpoint_every=2", "eval_every=2",
+            "tensorboard=false", *extra]  # fmt: skip
+    args = ["sft", "--data", str(data), "--eval-data", str(data), "--run-dir", str(run)]
+    args += ["--model", str(model)]
+    return args + [a for s in sets for a in ("--set", s)]
+
+
+def test_sft_trains_resumes_and_writes_a_model(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    data = tmp_path / "chats.jsonl"
+    lines = [_conversation(city, i) for i, city in enumerate(CITIES)]
+    data.write_text("".join(json.dumps(c) + "\n" for c in lines))
+    run = tmp_path / "run"
+
+    assert main(_args(data, run, tiny_model_dir, "epochs=2")) == 0  # 8 conversations: 4 steps
+    first = read_metrics(run)
+    steps = [m for m in first if m.get("kind") != "eval"]
+    evals = [m for m in first if m.get("kind") == "eval"]
+    assert [m["step"] for m in steps] == [1, 2, 3, 4]
+    assert [m["step"] for m in evals] == [0, 2, 4]
+    assert evals[-1]["eval/loss"] < 0.7 * evals[0]["eval/loss"]
+    assert all(m["trained_tokens"] > 0 and m["grad_norm"] > 0 for m in steps)
+
+    # Resume: two more epochs continue from step 4's checkpoint.
+    assert main(_args(data, run, tiny_model_dir, "epochs=3")) == 0
+    assert [m["step"] for m in read_metrics(run) if m.get("kind") != "eval"] == [1, 2, 3, 4, 5, 6]
+
+    trained = AutoModelForCausalLM.from_pretrained(run / "model")
+    original = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    assert not torch.allclose(trained(ids).logits, original(ids).logits)
+    assert (run / "model" / "tokenizer.json").is_file()
+
+
+def test_sft_refuses_bad_data_with_the_line(tiny_model_dir: Path, tmp_path: Path) -> None:
+    data = tmp_path / "bad.jsonl"
+    data.write_text(json.dumps(_conversation("Oslo", 0)) + "\n{not json\n")
+    rc = main(_args(data, tmp_path / "run", tiny_model_dir))
+    assert rc == 1
+    assert not (tmp_path / "run" / "model").exists()
+    assert main(["sft", "--set", "batch_size=0", "--data", str(data)]) == 2
