@@ -162,9 +162,12 @@ async def test_overlap_plays_the_next_steps_rollouts_while_training(
             tmp_path / "c",
             rollout={"overlap": True},
             schedule={"steps": 3, "eval_every": 0, "checkpoint_every": 2},
+            loss={"kl_coef": 0.1},
         )
         lines = await _train(config, _services(stack, rows, tiny_model_dir))
     assert [line["step"] for line in lines] == [1, 2, 3]
+    # KL to the frozen starting model: none before the first update, some after it.
+    assert abs(lines[0]["kl"]) < 1e-6 and lines[2]["kl"] > 1e-6
     assert all(line["rollouts"] == 4 for line in lines)
     # The checkpoint of step 2 points at the rows the already running fill of step 3 took.
     state = json.loads((tmp_path / "c" / "checkpoints" / "step-000002" / "state.json").read_text())
@@ -187,6 +190,9 @@ async def test_a_batch_that_cannot_fill_stops_the_run_with_the_reasons(
         with pytest.raises(BatchUnfillable, match=r"max_draws \(2\).*failed_rollout: 2"):
             await _train(config, _services(stack, rows, tiny_model_dir))
     assert not (tmp_path / "d" / "checkpoints").exists()
+    dropped = [json.loads(x) for x in (tmp_path / "d" / "dropped.jsonl").read_text().splitlines()]
+    assert [d["reason"] for d in dropped] == ["failed_rollout"] * 2
+    assert all(d["tasks"] == ["w-raise"] and "RuntimeError" in d["detail"] for d in dropped)
 
 
 def test_config_errors_name_the_field(tmp_path: Path) -> None:

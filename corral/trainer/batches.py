@@ -313,7 +313,9 @@ def token_stats(
     # Slice before log_softmax: only R of the L rows are needed, and [R, V] is the big tensor.
     rows = logits[prompt - 1 : length - 1].to(dtype) / temperature
     logp = torch.log_softmax(rows, dim=-1)
-    picked = logp.gather(-1, tokens[prompt:].unsqueeze(-1)).squeeze(-1)
+    # The batch's tokens live on the CPU; the logits wherever the model runs.
+    targets = tokens[prompt:].to(logp.device)
+    picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     # Clamped so a token that logits of -inf rule out adds 0 * finite, not 0 * -inf = nan.
     entropy = -(logp.exp() * logp.clamp(min=torch.finfo(dtype).min)).sum(-1)
     return TokenStats(picked, entropy)

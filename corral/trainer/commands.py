@@ -70,8 +70,11 @@ def add_train_commands(sub: Any) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from corral.adapters.rows import RowsError
+    from corral.envs.bundle import BundleError
     from corral.trainer.config import ConfigError, load_config
     from corral.trainer.groups import BatchUnfillable
+    from corral.trainer.services import ServicesError
     from corral.trainer.weights import WeightSyncError
 
     overrides = list(args.overrides)
@@ -92,7 +95,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     console = Console()
     try:
         lines = train(config, console)
-    except (BatchUnfillable, WeightSyncError) as exc:
+    except (BatchUnfillable, WeightSyncError, BundleError, ServicesError, RowsError) as exc:
         console.print(f"[red]corral train: {exc}")
         return 1
     if lines:

@@ -39,7 +39,8 @@ class EnvSettings(_Section):
     """Where episodes run. ``url`` set: an env server already serving (its rows are read from
     it). Unset: ``bundle`` is served in this process, episodes in ``sandbox`` sandboxes."""
 
-    bundle: Path = Path("bundles/gridsim")
+    # The gridsim bundle of this checkout (what `corral run` serves) unless given.
+    bundle: Path = Path(__file__).resolve().parents[2] / "bundles" / "gridsim"
     url: str | None = None
     token_var: str | None = None
     sandbox: str | None = "local"
@@ -98,7 +99,8 @@ class OptimSettings(_Section):
 
 class LossSettings(_Section):
     """See :class:`corral.trainer.losses.LossConfig`; ``normalize_std`` divides GRPO
-    advantages by the group's reward std."""
+    advantages by the group's reward std. ``kl_coef > 0`` keeps the starting model, frozen,
+    as the KL's reference (a second copy of the weights on every trainer rank)."""
 
     clip_low: float = 0.2
     clip_high: float = 0.28

@@ -264,11 +264,20 @@ class BatchUnfillable(RuntimeError):
     """The draws could not fill the batch: ``max_draws`` reached or the data ran out. The
     message says how many groups were drawn, kept and dropped (per reason)."""
 
-    def __init__(self, message: str, *, drawn: int, kept: int, dropped: dict[str, int]) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        drawn: int,
+        kept: int,
+        dropped: dict[str, int],
+        dropped_groups: Sequence[DroppedGroup] = (),
+    ) -> None:
         super().__init__(message)
         self.drawn = drawn
         self.kept = kept
         self.dropped = dropped
+        self.dropped_groups = list(dropped_groups)  # with their reasons and details
 
 
 @dataclass(frozen=True)
@@ -340,4 +349,5 @@ def _unfillable(
         drawn=drawn,
         kept=len(kept),
         dropped=counts,
+        dropped_groups=dropped,
     )

@@ -29,11 +29,13 @@ continues, when overlap is off. With overlap, the resumed run's first rollouts a
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -54,6 +56,8 @@ from corral.trainer.groups import (
     DROP_ABORTED,
     DROP_ALL_EQUAL,
     DROP_FAILED,
+    BatchUnfillable,
+    DroppedGroup,
     FilledBatch,
     Group,
     fill_batch,
@@ -179,7 +183,13 @@ class Trainer:
             sync = FollowerWeightSync(
                 in_memory=cfg.engine.url is None, out_dir=cfg.run_dir / "weights"
             )
-        return _Crew(runtime, model, spec, optimizer, settings, sync, cfg)
+        reference = None
+        if cfg.loss.kl_coef > 0:
+            # The starting weights, frozen: the KL term keeps the policy near where it began
+            # (a resumed run reloads the same folder, so its reference is the same).
+            reference, _ = await asyncio.to_thread(load_hf_checkpoint, self.model_path, dtype=dtype)
+            reference = reference.to(runtime.device).eval().requires_grad_(False)
+        return _Crew(runtime, model, spec, optimizer, settings, sync, cfg, reference)
 
     async def _lead(self, crew: _Crew, svc: Services) -> list[dict[str, Any]]:
         cfg = self.config
@@ -232,9 +242,14 @@ class Trainer:
                         fill = pending or self._start_fill(draw, sampler)
                         pending = None
                         waited = time.monotonic()
-                        filled = await fill.task
+                        try:
+                            filled = await fill.task
+                        except BatchUnfillable as exc:
+                            self._log_dropped(step + 1, exc.dropped_groups)
+                            raise
                         generation_s = time.monotonic() - waited
                         played = draw.take_played()
+                        self._log_dropped(step + 1, filled.dropped)
                         if cfg.rollout.overlap and step + 1 < cfg.schedule.steps:
                             pending = self._start_fill(draw, sampler)
                         reset_peak_memory(cfg.model.device)
@@ -343,6 +358,18 @@ class Trainer:
         self._write(out, line)
         return report
 
+    def _log_dropped(self, step: int, dropped: Sequence[DroppedGroup]) -> None:
+        """Why each dropped group was dropped, one JSON line per group in ``dropped.jsonl``
+        (the metrics only count them): the first thing to read when a batch will not fill."""
+        if not dropped:
+            return
+        with (self.run_dir / "dropped.jsonl").open("a") as f:
+            for d in dropped:
+                tasks = sorted({str(s.metadata.get("task_id")) for s in d.group.samples})
+                record = {"step": step, "group_index": d.group.group_index, "tasks": tasks,
+                          "reason": d.reason, "detail": d.detail}  # fmt: skip
+                f.write(json.dumps(record) + "\n")
+
     def _write(self, out: MetricsWriter, line: dict[str, Any]) -> None:
         out.write(line)
         self.lines.append(line)
@@ -376,6 +403,7 @@ class _Crew:
         settings: UpdateSettings,
         sync: WeightSync,
         config: TrainConfig,
+        reference: Any | None = None,
     ) -> None:
         self.runtime = runtime
         self.model = model
@@ -384,6 +412,7 @@ class _Crew:
         self.settings = settings
         self.sync = sync
         self.config = config
+        self.reference = reference
 
     async def command(self, command: _Command) -> Any:
         await self._share(command)
@@ -423,7 +452,11 @@ class _Crew:
             return None
         if command.kind == "train":
             return await asyncio.to_thread(
-                policy_update, self.model, self.optimizer, list(command.groups), self.settings
+                partial(policy_update, reference=self.reference),
+                self.model,
+                self.optimizer,
+                list(command.groups),
+                self.settings,
             )
         if command.kind == "checkpoint":
             assert command.state is not None

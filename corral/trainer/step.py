@@ -58,8 +58,12 @@ def policy_update(
     optimizer: torch.optim.Optimizer,
     groups: Sequence[Group],
     settings: UpdateSettings | None = None,
+    *,
+    reference: Any | None = None,
 ) -> dict[str, float]:
-    """Train ``model`` one optimizer step on ``groups`` (kept groups: none flagged). Returns the
+    """Train ``model`` one optimizer step on ``groups`` (kept groups: none flagged). With a
+    frozen ``reference`` model (same architecture and layout), its logprobs of every response
+    token are computed first (no gradient) for the loss's KL term and the ``kl`` metric. Returns the
     step's metrics: the loss terms summed over micro-batches (``loss``, ``pg_loss``,
     ``clip_fraction``, ``tis_weight``, ``entropy``, ``kl`` when there are reference logprobs),
     ``grad_norm`` (before clipping), and counts (``rollouts``, ``samples``, ``micro_batches``,
@@ -84,7 +88,14 @@ def policy_update(
     device = next(model.parameters()).device
     for mb in (micro_batches[i] for i in share):
         tokens, mask = mb.padded(settings.pad_id)
-        logits = forward_logits(model, tokens.to(device), attention_mask=mask.to(device))
+        tokens, mask = tokens.to(device), mask.to(device)
+        if reference is not None:
+            with torch.no_grad():
+                ref_logits = forward_logits(reference, tokens, attention_mask=mask)
+                ref = batch_token_stats(ref_logits, mb, temperature=settings.temperature)
+            mb = mb.with_log_probs(ref=ref.logprobs)
+            del ref_logits
+        logits = forward_logits(model, tokens, attention_mask=mask)
         stats = batch_token_stats(logits, mb, temperature=settings.temperature)
         out = batch_policy_loss(mb, stats, settings.loss)
         out.loss.backward()

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from corral.engines.protocol import (
     FinishReason,
@@ -187,6 +188,11 @@ def _check(seq: _Seq, token: int, tokenizer: Any) -> tuple[str, FinishReason | N
 # ---------------------------------------------------------------------------------------------
 
 
+# transformers 5.2x renamed the KV cache (argument and output field) from ``past_key_values``
+# to ``cache``; the engine speaks whichever the installed version has.
+_CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
 def _layers(cache: DynamicCache) -> list[Any]:
     """The cache's layers, each with ``keys``/``values`` [batch, heads, len, head_dim]."""
     return list(cache.layers)
@@ -245,7 +251,7 @@ class _Worker:
             input_ids=ids.to(self.device),
             attention_mask=mask.to(self.device),
             position_ids=positions.to(self.device),
-            cache=DynamicCache(),
+            **{_CACHE: DynamicCache()},
             use_cache=True,
             logits_to_keep=1,
         )
@@ -253,7 +259,7 @@ class _Worker:
             start = width - len(s.prompt)
             s.kv = [
                 (lay.keys[i : i + 1, :, start:], lay.values[i : i + 1, :, start:])
-                for lay in _layers(out.cache)
+                for lay in _layers(getattr(out, _CACHE))
             ]
         return out.logits[:, -1]
 
@@ -275,7 +281,7 @@ class _Worker:
             input_ids=ids.to(self.device),
             attention_mask=mask.to(self.device),
             position_ids=self._lens[:, None].to(self.device),
-            cache=self._cache,
+            **{_CACHE: self._cache},
             use_cache=True,
         )
         self._width += 1
