@@ -45,7 +45,8 @@ def plot_run(run: Path, out: Path | None = None) -> Path:
         hi = [v + se.get(s, 0.0) for s, v in means]
         ax.fill_between(x, lo, hi, alpha=0.2, color="black", label="eval ± se")
         for key in sorted({k for line in evals for k in line if k.startswith("eval/group/")}):
-            _line(ax, evals, key, key.removeprefix("eval/group/"), linewidth=0.8, alpha=0.6)
+            label = f"eval, group {key.removeprefix('eval/group/')}"
+            _line(ax, evals, key, label, linewidth=0.8, alpha=0.6)
     if not list(series(steps, "reward/mean")):  # a supervised run: its loss instead
         _line(ax, steps, "loss", "train loss", marker=".")
         _line(ax, evals, "eval/loss", "eval loss", marker="o", color="black")
