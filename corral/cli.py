@@ -65,6 +65,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     import uvicorn
 
     from corral.gateway.server import create_gateway
+    from corral.serving import KEEP_ALIVE_S
 
     admin_token = _token_from_env(
         args.admin_token_var,
@@ -84,7 +85,14 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         **({"model_name": args.served_model_name} if args.served_model_name else {}),
     )
     # No per-request access log by default: on the hot path it costs more than the gateway.
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=args.access_log)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="info",
+        access_log=args.access_log,
+        timeout_keep_alive=KEEP_ALIVE_S,
+    )
     return 0
 
 

@@ -10,6 +10,12 @@ from typing import Any
 
 import uvicorn
 
+# How long a server keeps an idle keep-alive connection: longer than its clients keep one
+# (httpx: 5 s). With equal timeouts a client can send a request on a connection the server is
+# closing that instant, and the request fails with a ReadError (seen at 256 concurrent rollouts
+# through the gateway); this way the client always closes an idle connection first.
+KEEP_ALIVE_S = 75
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that was free a moment ago (the usual race applies)."""
@@ -36,6 +42,7 @@ def serve_in_thread(
             port=port,
             log_level=config.pop("log_level", "warning"),
             timeout_graceful_shutdown=config.pop("timeout_graceful_shutdown", 2),
+            timeout_keep_alive=config.pop("timeout_keep_alive", KEEP_ALIVE_S),
             **config,
         )
     )

@@ -35,12 +35,14 @@ def local_stack(
     device: str = "cpu",
     admin_token: str | None = None,
     gateway_host: str = "127.0.0.1",
+    max_batch_size: int = 64,
     **gateway_overrides: Any,
 ) -> Iterator[StackURLs]:
     """Serve ``model_path`` with the local engine and a gateway in front of it.
 
     ``gateway_host``: the interface the gateway listens on (a node's address when workers on
-    other machines call it; the engine stays on 127.0.0.1). ``gateway_overrides`` set
+    other machines call it; the engine stays on 127.0.0.1). ``max_batch_size``: the local
+    engine's decode batch (requests beyond it wait). ``gateway_overrides`` set
     :class:`~corral.gateway.settings.GatewaySettings` fields
     (e.g. ``tool_call_parser``, ``reasoning_parser``). Both servers stop when the block exits.
     """
@@ -49,7 +51,7 @@ def local_stack(
     from corral.gateway.server import create_gateway
 
     with ExitStack() as stack:
-        engine = LocalEngine(model_path, device=device)
+        engine = LocalEngine(model_path, device=device, max_batch_size=max_batch_size)
         engine_url = stack.enter_context(serve_in_thread(build_engine_app(engine)))
         gateway = create_gateway(
             engine_url, model_path, admin_token=admin_token, **gateway_overrides

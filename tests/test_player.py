@@ -235,3 +235,26 @@ async def test_an_env_killed_mid_episode_flags_the_rollout(
     assert rollout.reason is not None
     assert rollout.reason.startswith("env: EXECUTION_ERROR: the env stopped answering")
     assert all(s.status == "failed" for s in rollout.samples)
+
+
+async def test_a_gateway_lost_at_the_end_of_an_episode_flags_the_rollout(
+    stack: Stack, weather_bundle: Path, tmp_path: Path
+) -> None:
+    """The reward cannot reach the session (the gateway answers with an error): the rollout is
+    flagged failed with the reason, so a training run drops its group instead of stopping."""
+    from corral.adapters.gateway_admin import GatewayAdminError
+    from corral.trainer.groups import DROP_FAILED, TrainRollout
+
+    class Flaky(GatewayAdmin):
+        async def set_reward(self, session_id: str, reward: float) -> None:
+            raise GatewayAdminError("the gateway at ... is unreachable: ReadError")
+
+    with serve(build_app(weather_bundle)) as url:
+        row = (await _rows(url, tmp_path))["w-ok"]
+        async with Flaky(stack.gateway, ADMIN) as admin:
+            rollout = await Player(admin, sampling=GREEDY).play(row, group_index=3, index=0)
+    assert rollout.failed and rollout.reward is None
+    assert rollout.reason == "gateway: the gateway at ... is unreachable: ReadError"
+    (sample,) = rollout.samples
+    assert sample.metadata["failure"] == rollout.reason and sample.group_index == 3
+    assert TrainRollout.from_player(rollout).flag == DROP_FAILED

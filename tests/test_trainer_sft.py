@@ -30,6 +30,7 @@ from corral.trainer.sft import (  # noqa: E402
     sft_eval_loss,
     sft_update,
     tokenize_chat,
+    tokenize_chats,
 )
 
 
@@ -237,6 +238,16 @@ def test_bad_lines_are_refused_naming_file_line_and_problem(
     path.write_text(good + "\n" + line + "\n\n")
     with pytest.raises(ValueError, match=f"chats.jsonl, {error}"):
         read_chat_examples(path)
+
+
+def test_worker_processes_tokenize_as_one_process_does(tiny_model_dir: Path) -> None:
+    examples = [ChatExample(CONVERSATION, TOOLS), ChatExample(CONVERSATION[:5], TOOLS)] * 3
+    alone = tokenize_chats(tiny_model_dir, examples, workers=1)
+    spread = tokenize_chats(tiny_model_dir, examples, workers=2)
+    assert [(s.tokens, s.loss_mask) for s in spread] == [(s.tokens, s.loss_mask) for s in alone]
+    short = min(s.num_tokens for s in alone)
+    with pytest.raises(ValueError, match=r"^conversation 0: the conversation has \d+ tokens"):
+        tokenize_chats(tiny_model_dir, examples, max_tokens=short, workers=2)
 
 
 def test_good_lines_are_read(tmp_path: Path) -> None:

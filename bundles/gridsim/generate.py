@@ -67,16 +67,21 @@ def make_task(split: str, index: int, seed: int = DEFAULT_SEED) -> dict[str, Any
     return {
         "id": f"{split}-{index:04d}",
         "prompt": render_prompt(date, battery, prices),
-        "data": {
-            "date": date.isoformat(),
-            "battery": {
-                "capacity_mwh": battery.capacity_mwh,
-                "power_mw": battery.power_mw,
-                "efficiency": battery.efficiency,
-                "initial_soc_mwh": battery.initial_soc_mwh,
-            },
-            "prices": prices,
+        "data": task_data(date, battery, prices),
+    }
+
+
+def task_data(date: dt.date, battery: Battery, prices: list[float]) -> dict[str, Any]:
+    """A task's ``data``: what the env and the verifier read (the day, the battery, prices)."""
+    return {
+        "date": date.isoformat(),
+        "battery": {
+            "capacity_mwh": battery.capacity_mwh,
+            "power_mw": battery.power_mw,
+            "efficiency": battery.efficiency,
+            "initial_soc_mwh": battery.initial_soc_mwh,
         },
+        "prices": prices,
     }
 
 

@@ -13,7 +13,9 @@ Failure is explicit (:attr:`Rollout.failed`, :attr:`Rollout.reason`, and every s
 - the env failed: it could not start, a call overran its deadline, it raised, the server went
   away (``env: ...``);
 - the model missed ``model_timeout`` or the gateway refused the call (``model: ...``);
-- the episode ended without a reward (the verifier or reward failed: ``no reward: ...``).
+- the episode ended without a reward (the verifier or reward failed: ``no reward: ...``);
+- the gateway could not reward the session or hand over its samples (``gateway: ...``): the
+  rollout comes back with one aborted sample carrying the failure.
 
 A model that runs out of ``max_turns`` is not a failure: the player ends the turn, the episode
 is graded on what the model did. A server at its capacity, or one that is restarting, delays
@@ -192,15 +194,21 @@ class Player:
                 reason = str(exc)
             if reason is None and episode.reward is None:
                 reason = "no reward: the episode ended without one"
-            if reason is not None:
-                await self.gateway.fail(session.id, reason)
-            else:
-                assert episode.reward is not None
-                await self.gateway.set_reward(session.id, episode.reward)
-            why = reason or "no turn was recorded"
-            samples = await self.gateway.samples(session.id) or [
-                _aborted(session.id, {**tags, "failure": why}, group_index, index)
-            ]
+            try:
+                if reason is not None:
+                    await self.gateway.fail(session.id, reason)
+                else:
+                    assert episode.reward is not None
+                    await self.gateway.set_reward(session.id, episode.reward)
+                why = reason or "no turn was recorded"
+                samples = await self.gateway.samples(session.id) or [
+                    _aborted(session.id, {**tags, "failure": why}, group_index, index)
+                ]
+            except GatewayAdminError as exc:
+                # The episode is played but its samples cannot be had (or rewarded): a failed
+                # rollout that the group filter drops, not an error that stops a training run.
+                reason = f"gateway: {exc}"
+                samples = [_aborted(session.id, {**tags, "failure": reason}, group_index, index)]
         finally:
             # Shielded: a cancelled rollout still deletes its session (and never leaks it).
             with contextlib.suppress(GatewayAdminError):

@@ -121,10 +121,16 @@ _OTHER_TURN: Final = """\
 {{- '<|im_start|>' + message.role + '\\n' + render_content(message.content) + '<|im_end|>\\n' }}
 """
 
-QWEN25: Final = (
-    _CONTENT_MACRO
-    + _SYSTEM_TURN
-    + """\
+# The system turn left out (the caller's system message is skipped, no tool list is rendered):
+# for a model trained on one environment, whose system prompt and tools are the same in every
+# row (examples/gridsim_rl: about 750 of a prompt's 975 tokens). Tool calls and results are
+# written exactly as QWEN25 writes them, so the same parser reads the replies.
+_NO_SYSTEM_TURN: Final = """\
+{%- set first_index = 1 if messages and messages[0].role == 'system' else 0 %}
+"""
+
+_QWEN25_TURNS: Final = (
+    """\
 {%- for message in messages %}
     {%- if loop.index0 < first_index %}
     {%- elif message.role == 'assistant' %}
@@ -148,6 +154,9 @@ QWEN25: Final = (
 {%- endif %}
 """
 )
+
+QWEN25: Final = _CONTENT_MACRO + _SYSTEM_TURN + _QWEN25_TURNS
+QWEN25_COMPACT: Final = _CONTENT_MACRO + _NO_SYSTEM_TURN + _QWEN25_TURNS
 
 QWEN3: Final = (
     _CONTENT_MACRO

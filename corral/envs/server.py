@@ -806,6 +806,8 @@ def run_server(
 
     import uvicorn
 
+    from corral.serving import KEEP_ALIVE_S
+
     manager: EpisodeManager = app.state.episodes
 
     class _Server(uvicorn.Server):
@@ -822,6 +824,7 @@ def run_server(
         timeout_graceful_shutdown=timeout_graceful_shutdown,
         ws_ping_interval=ws_ping_interval,
         ws_ping_timeout=ws_ping_timeout,
+        timeout_keep_alive=KEEP_ALIVE_S,
     )
     if threading.current_thread() is not threading.main_thread():
         _Server(config).run()

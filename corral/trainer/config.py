@@ -60,6 +60,9 @@ class EngineSettings(_Section):
     url: str | None = None
     gateway: str | None = None
     admin_token_var: str | None = None
+    # The local engine's decode batch (requests beyond it wait for a free slot); a step plays
+    # groups_per_step x rollouts_per_row rollouts, up to rollout.concurrency at once.
+    max_batch_size: int = Field(default=64, ge=1)
 
     @model_validator(mode="after")
     def _both_or_neither(self) -> EngineSettings:

@@ -65,7 +65,12 @@ def run_services(config: TrainConfig) -> Iterator[Services]:
             # node's address, not on loopback.
             host = _node_ip() if on_ray else "127.0.0.1"
             urls = stack.enter_context(
-                local_stack(path, device=config.model.device, gateway_host=host)
+                local_stack(
+                    path,
+                    device=config.model.device,
+                    gateway_host=host,
+                    max_batch_size=config.engine.max_batch_size,
+                )
             )
             assert urls.local_engine is not None
             gateway, admin_token = urls.gateway, None

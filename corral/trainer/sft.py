@@ -52,6 +52,7 @@ __all__ = [
     "sft_eval_loss",
     "sft_update",
     "tokenize_chat",
+    "tokenize_chats",
 ]
 
 _EXAMPLE_KEYS = frozenset({"messages", "tools"})
@@ -360,6 +361,68 @@ def tokenize_chat(
             f"max_tokens={max_tokens}; examples are refused, not truncated"
         )
     return SftSample(tokens=full[:last], loss_mask=mask[:last])
+
+
+# Examples per task handed to a tokenizing worker process, and the fewest examples worth
+# starting workers for by default (a spawned worker imports torch and transformers: seconds).
+_CHUNK = 256
+_PARALLEL_FROM = 2048
+
+
+def tokenize_chats(
+    tokenizer_path: str | Path,
+    examples: Sequence[ChatExample],
+    *,
+    max_tokens: int | None = None,
+    workers: int | None = None,
+) -> list[SftSample]:
+    """:func:`tokenize_chat` of every example, in order, with the tokenizer of the folder
+    ``tokenizer_path``, in ``workers`` processes. Rendering and encoding a conversation costs
+    milliseconds of CPU (several chat-template renders and encodes of the whole text), so tens
+    of thousands of them take minutes in one process. ``workers`` None: the CPUs this process
+    may use (at most 16) for 2,048 examples or more, else none; 1: in this process. Workers
+    are spawned (never forked: the caller may hold threads or a CUDA context). The first
+    example that cannot be tokenized raises its ``ValueError``, prefixed with its index."""
+    import os
+
+    if workers is None:
+        many = len(examples) >= _PARALLEL_FROM
+        workers = min(len(os.sched_getaffinity(0)), 16) if many else 1
+    if workers <= 1:
+        return _tokenize_range(str(tokenizer_path), examples, 0, max_tokens)
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    starts = range(0, len(examples), _CHUNK)
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        parts = pool.map(
+            _tokenize_range,
+            [str(tokenizer_path)] * len(starts),
+            [examples[i : i + _CHUNK] for i in starts],
+            starts,
+            [max_tokens] * len(starts),
+        )
+        return [sample for part in parts for sample in part]
+
+
+_WORKER_TOKENIZERS: dict[str, PreTrainedTokenizerBase] = {}
+
+
+def _tokenize_range(
+    path: str, examples: Sequence[ChatExample], first: int, max_tokens: int | None
+) -> list[SftSample]:
+    tokenizer = _WORKER_TOKENIZERS.get(path)
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = _WORKER_TOKENIZERS[path] = AutoTokenizer.from_pretrained(path)
+    out = []
+    for k, example in enumerate(examples):
+        try:
+            out.append(tokenize_chat(tokenizer, example, max_tokens=max_tokens))
+        except ValueError as exc:
+            raise ValueError(f"conversation {first + k}: {exc}") from None
+    return out
 
 
 def _end_of_turn_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

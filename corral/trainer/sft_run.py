@@ -50,7 +50,7 @@ def run_sft(
         read_chat_examples,
         sft_eval_loss,
         sft_update,
-        tokenize_chat,
+        tokenize_chats,
     )
 
     path = model_path(config)
@@ -58,7 +58,7 @@ def run_sft(
 
     def load(data: Any) -> list[Any]:
         examples = read_chat_examples(data)
-        return [tokenize_chat(tokenizer, e, max_tokens=config.max_tokens) for e in examples]
+        return tokenize_chats(path, examples, max_tokens=config.max_tokens)
 
     train = load(config.data)
     if not train:

@@ -188,4 +188,13 @@ def run_engine(
     import uvicorn
 
     engine = LocalEngine(model_path, device=device)
-    uvicorn.run(build_engine_app(engine), host=host, port=port, log_level="info", access_log=False)
+    from corral.serving import KEEP_ALIVE_S
+
+    uvicorn.run(
+        build_engine_app(engine),
+        host=host,
+        port=port,
+        log_level="info",
+        access_log=False,
+        timeout_keep_alive=KEEP_ALIVE_S,
+    )

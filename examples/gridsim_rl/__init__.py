@@ -1,0 +1,1 @@
+"""The gridsim RL example (``python examples/gridsim_rl/run.py``): see README.md here."""
