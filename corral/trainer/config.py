@@ -194,16 +194,21 @@ def load_sft_config(path: Path | None = None, overrides: list[str] | None = None
     return _load(SftConfig, path, overrides)
 
 
-def _load(kind: type[C], path: Path | None, overrides: list[str] | None) -> C:
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except OSError as exc:
-            raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path} is not valid TOML: {exc}") from None
-    for item in overrides or []:
+def read_toml(path: Path) -> dict[str, Any]:
+    """The TOML file at ``path`` as a dict; ConfigError when it cannot be read or parsed."""
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """``data`` (changed in place and returned) with each ``a.b.key=value`` override set; the
+    value is read as TOML, a bare word that is not TOML as a string. ConfigError for an item
+    that is not ``key=value`` or that descends into a value that is not a table."""
+    for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r} is not section.key=value")
@@ -215,6 +220,11 @@ def _load(kind: type[C], path: Path | None, overrides: list[str] | None) -> C:
                 raise ConfigError(f"override {item!r}: {part} is not a section")
             node = child
         node[leaf] = _toml_value(raw.strip())
+    return data
+
+
+def _load(kind: type[C], path: Path | None, overrides: list[str] | None) -> C:
+    data = apply_overrides(read_toml(path) if path is not None else {}, overrides or [])
     try:
         return kind.model_validate(data)
     except ValidationError as exc:

@@ -64,7 +64,7 @@ from corral.trainer.groups import (
 )
 from corral.trainer.metrics import MetricsWriter, peak_memory_gb, reset_peak_memory
 from corral.trainer.rollouts import GroupDraw, RowSampler
-from corral.trainer.step import UpdateSettings, policy_update
+from corral.trainer.step import UpdateSettings, adamw, policy_update
 from corral.trainer.weights import FollowerWeightSync, WeightSync
 
 if TYPE_CHECKING:
@@ -164,12 +164,7 @@ class Trainer:
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         model, spec = await asyncio.to_thread(load_hf_checkpoint, self.model_path, dtype=dtype)
         model = model.to(runtime.device)
-        optimizer = torch.optim.AdamW(
-            model.parameters(),
-            lr=cfg.optim.lr,
-            betas=(cfg.optim.beta1, cfg.optim.beta2),
-            weight_decay=cfg.optim.weight_decay,
-        )
+        optimizer = adamw(model.parameters(), cfg.optim)
         settings = UpdateSettings(
             loss=cfg.loss.loss_config(),
             normalize_std=cfg.loss.normalize_std,

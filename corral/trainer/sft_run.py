@@ -30,6 +30,7 @@ from corral.trainer.checkpoint import (
 from corral.trainer.config import SftConfig
 from corral.trainer.metrics import MetricsWriter, peak_memory_gb, reset_peak_memory
 from corral.trainer.rollouts import RowSampler
+from corral.trainer.step import adamw
 
 
 def run_sft(
@@ -78,12 +79,7 @@ def run_sft(
         dtype = torch.bfloat16 if config.model.dtype == "bfloat16" else torch.float32
         model, spec = load_hf_checkpoint(path, dtype=dtype)
         model = model.to(runtime.device)
-        optimizer = torch.optim.AdamW(
-            model.parameters(),
-            lr=config.optim.lr,
-            betas=(config.optim.beta1, config.optim.beta2),
-            weight_decay=config.optim.weight_decay,
-        )
+        optimizer = adamw(model.parameters(), config.optim)
         sampler = RowSampler(train, seed=config.seed)  # any sequence: a seeded epoch order
         step = 0
         resumed = latest_checkpoint(config.run_dir)

@@ -35,9 +35,17 @@ import torch
 
 from corral.trainer import parallel
 from corral.trainer.batches import batch_token_stats, build_train_samples, pack_micro_batches
+from corral.trainer.config import OptimSettings
 from corral.trainer.groups import Group
 from corral.trainer.losses import LossConfig, batch_policy_loss, grpo_advantages
 from corral.trainer.megatron_cpu import on_device
+
+
+def adamw(params: Any, optim: OptimSettings) -> torch.optim.AdamW:
+    """The AdamW of ``optim`` (lr, betas, weight decay) over ``params``."""
+    return torch.optim.AdamW(
+        params, lr=optim.lr, betas=(optim.beta1, optim.beta2), weight_decay=optim.weight_decay
+    )
 
 
 @dataclass(frozen=True)

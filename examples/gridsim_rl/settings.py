@@ -15,13 +15,18 @@ from __future__ import annotations
 
 import copy
 import datetime as dt
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from corral.trainer.config import SftConfig, TrainConfig
+from corral.trainer.config import (
+    ConfigError,
+    SftConfig,
+    TrainConfig,
+    apply_overrides,
+    read_toml,
+)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -147,25 +152,13 @@ def load_settings(
 ) -> Settings:
     """The settings of ``path`` (module docstring); SettingsError for anything unusable."""
     try:
-        data = tomllib.loads(Path(path).read_text())
-    except OSError as exc:
-        raise SettingsError(f"cannot read {path}: {exc.strerror or exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise SettingsError(f"{path} is not valid TOML: {exc}") from None
-    smoke_table = data.pop("smoke", {})
-    if smoke:
-        data = merge(data, smoke_table)
-    for item in overrides or []:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise SettingsError(f"override {item!r} is not KEY=VALUE")
-        *parents, leaf = key.strip().split(".")
-        node = data
-        for part in parents:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise SettingsError(f"override {item!r}: {part} is not a table")
-        node[leaf] = _toml_value(raw.strip())
+        data = read_toml(path)
+        smoke_table = data.pop("smoke", {})
+        if smoke:
+            data = merge(data, smoke_table)
+        apply_overrides(data, overrides or [])
+    except ConfigError as exc:
+        raise SettingsError(str(exc)) from None
     for where, owned in (("sft", _SFT_OWNED), ("rl", _RL_OWNED)):
         taken = [k for k in owned if k in data.get(where, {})]
         if taken:
@@ -182,10 +175,3 @@ def load_settings(
     )  # fmt: skip
     settings.train_config(run_dir=placeholder, model=placeholder)
     return settings
-
-
-def _toml_value(raw: str) -> Any:
-    try:
-        return tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        return raw
