@@ -9,7 +9,8 @@ before the first update is step 0, a line of its own with ``kind = "eval"``).
 Keys, by group:
 
 - rollouts: ``reward/mean``, ``reward/std`` (over the kept rollouts), ``reward/zero_share``,
-  ``rollouts``, ``groups``, ``samples``, ``samples_per_rollout``, ``response_tokens/mean``;
+  ``rollouts`` (kept), ``rollouts_played`` (dropped groups' too), ``groups``, ``samples``,
+  ``samples_per_rollout``, ``response_tokens/mean``;
 - the group filter: ``dropped/failed_rollout``, ``dropped/aborted_rollout``,
   ``dropped/all_equal``, ``draws``, ``surplus_groups``;
 - the update: ``loss``, ``pg_loss``, ``kl``, ``entropy``, ``clip_fraction``, ``tis_weight``,
@@ -39,6 +40,7 @@ STEP_KEYS: tuple[str, ...] = (
     "reward/std",
     "reward/zero_share",
     "rollouts",
+    "rollouts_played",
     "groups",
     "samples",
     "samples_per_rollout",

@@ -61,6 +61,11 @@ def _ray() -> ModuleType:
     return ray
 
 
+def node_ip() -> str:
+    """This node's IP as Ray knows it: the address other nodes of the cluster reach it at."""
+    return str(_ray().util.get_node_ip_address())
+
+
 def connect(address: str, **init_options: Any) -> None:
     """Join the Ray cluster at ``address`` (``"auto"``, ``"ray://host:10001"``, ``host:6379``:
     anything ``ray.init(address=...)`` takes). ``"local"`` starts a private Ray on this machine
@@ -148,7 +153,6 @@ class EnvServerActor:
         port: int | None = None,
         app_options: dict[str, Any] | None = None,
     ) -> None:
-        import ray
 
         from corral.envs.server import build_app
         from corral.serving import serve_in_thread
@@ -157,7 +161,7 @@ class EnvServerActor:
         self._stack = contextlib.ExitStack()
         bound = self._stack.enter_context(serve_in_thread(app, host=host, port=port))
         self._port = int(bound.rsplit(":", 1)[1])
-        self._ip = ray.util.get_node_ip_address() if host in ("0.0.0.0", "::") else host
+        self._ip = node_ip() if host in ("0.0.0.0", "::") else host
 
     def url(self) -> str:
         return f"http://{self._ip}:{self._port}"
@@ -288,7 +292,7 @@ class RolloutWorkerActor:
         import ray
 
         context = ray.get_runtime_context()
-        return str(ray.util.get_node_ip_address()), str(context.get_actor_id())
+        return node_ip(), str(context.get_actor_id())
 
     def _started(self) -> tuple[Player, asyncio.Semaphore]:
         from corral.adapters.gateway_admin import GatewayAdmin

@@ -63,7 +63,12 @@ def run_services(config: TrainConfig) -> Iterator[Services]:
         if config.engine.url is None:
             # On Ray the rollout workers may run on other nodes: the gateway listens on this
             # node's address, not on loopback.
-            host = _node_ip() if on_ray else "127.0.0.1"
+            if on_ray:
+                from corral.trainer.ray_cluster import node_ip
+
+                host = node_ip()
+            else:
+                host = "127.0.0.1"
             urls = stack.enter_context(
                 local_stack(
                     path,
@@ -148,9 +153,3 @@ def run_services(config: TrainConfig) -> Iterator[Services]:
             rollout_workers=workers,
             env_urls=env_urls,
         )
-
-
-def _node_ip() -> str:
-    import ray.util
-
-    return str(ray.util.get_node_ip_address())
