@@ -44,7 +44,8 @@ async def test_one_rl_step_changes_the_weights_and_the_engine_serves_them(
     stack: StackURLs, tiny_model_dir: Path, tmp_path: Path, runtime: None
 ) -> None:
     from corral.trainer.convert import load_hf_checkpoint, megatron_state_dict
-    from corral.trainer.step import UpdateSettings, policy_update, push_weights
+    from corral.trainer.step import UpdateSettings, policy_update
+    from corral.trainer.weights import DiskWeightSync
 
     bundle = write_weather_bundle(tmp_path / "weather", modes=("ok", "wrong"))
     with serve(build_app(bundle)) as url:
@@ -72,11 +73,9 @@ async def test_one_rl_step_changes_the_weights_and_the_engine_serves_them(
     after = megatron_state_dict(model)
     assert any(not torch.equal(before[n], after[n]) for n in before)
 
-    path = await push_weights(
-        model, spec, tmp_path / "step-1", stack.engine, version="step-1",
-        tokenizer_from=tiny_model_dir,
-    )  # fmt: skip
-    assert (path / "config.json").is_file()
+    sync = DiskWeightSync([stack.engine], tmp_path / "weights", tokenizer_from=tiny_model_dir)
+    await sync.push(model, spec, "step-1")
+    assert (tmp_path / "weights" / "step-1" / "config.json").is_file()
     async with httpx.AsyncClient() as http:
         info = (await http.get(f"{stack.engine}/get_model_info")).json()
     assert info["weight_version"] == "step-1"

@@ -1,11 +1,10 @@
-"""One policy update on a step's groups, and the weight push to the engines.
+"""One policy update on a step's groups.
 
 :func:`policy_update` turns kept groups into GRPO advantages (over rollouts, by group index),
 packs their samples into micro-batches up to a token budget, and accumulates the loss of every
 micro-batch before one optimizer step: the losses are normalised per step (see
 :mod:`corral.trainer.losses`), so the summed micro-batch gradients are exactly the step's.
-:func:`push_weights` writes the model as a Hugging Face folder and has an engine load it
-(``update_weights_from_disk``), bumping the engine's weight version.
+The weights reach the engines through :mod:`corral.trainer.weights`.
 
 Parallel (``corral.trainer.megatron_cpu.setup`` with a world of several ranks): every rank
 calls :func:`policy_update` with the same groups (share them with
@@ -16,10 +15,9 @@ replica on the same ones. The gradients are then summed over the data-parallel g
 the whole step's gradient because the loss is normalised over the whole step (see
 :mod:`corral.trainer.parallel`), clipped by the global norm, and every rank steps its optimizer
 on the same gradients of its shard. The metrics are summed over the replicas, so they are the
-step's on every rank. :func:`push_weights` is called by every rank; one writes and one talks to
-the engine.
+step's on every rank.
 
-The training loop (rollouts, evaluation, checkpoints, metrics files) builds on these two.
+The training loop (:mod:`corral.trainer.loop`) builds on it.
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -124,31 +121,3 @@ def policy_update(
         trained_tokens=float(sum(int(s.loss_mask.sum()) for s in samples)),
     )
     return dict(totals)
-
-
-async def push_weights(
-    model: Any,
-    spec: Any,
-    out_dir: Path,
-    engine_url: str,
-    *,
-    version: str,
-    tokenizer_from: Path | None = None,
-) -> Path:
-    """Save ``model`` as a Hugging Face folder under ``out_dir`` and have the engine at
-    ``engine_url`` load it as weight version ``version``. Raises the engine client's
-    ``EngineError`` when the engine refuses the load (the folder stays for a retry).
-
-    In a world of several ranks every rank calls this (the weights are gathered over the
-    tensor-parallel group); only global rank 0 asks the engine to load them, and the others
-    return the path without waiting for the engine."""
-    from corral.engines.sglang import SGLangClient
-    from corral.trainer.convert import save_hf_checkpoint
-
-    path = save_hf_checkpoint(model, spec, out_dir, tokenizer_from=tokenizer_from)
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if distributed and torch.distributed.get_rank() != 0:
-        return path
-    async with SGLangClient(engine_url) as engine:
-        await engine.update_weights_from_disk(str(path), weight_version=version)
-    return path
