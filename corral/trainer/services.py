@@ -121,8 +121,9 @@ def run_services(config: TrainConfig) -> Iterator[Services]:
             token_var=env.token_var,
         )
         write_rows(env_url, rows_dir, settings, token=env_token)
-        train = read_rows(rows_dir / "all.jsonl", split=env.train_split)
-        evals = read_rows(rows_dir / "all.jsonl", split=env.eval_split)
+        rows = read_rows(rows_dir / "all.jsonl")
+        train = [r for r in rows if r.metadata.split == env.train_split]
+        evals = [r for r in rows if r.metadata.split == env.eval_split]
         if not train:
             raise ServicesError(f"the env server at {env_url} has no {env.train_split!r} rows")
         group_by, groups = task_groups(evals, env_token) if evals else (None, {})
