@@ -57,7 +57,13 @@ def cmd_model_tiny(args: argparse.Namespace) -> int:
 def cmd_engine(args: argparse.Namespace) -> int:
     from corral.engines.local.server import run_engine
 
-    run_engine(args.model, host=args.host, port=args.port, device=args.device)
+    run_engine(
+        args.model,
+        host=args.host,
+        port=args.port,
+        device=args.device,
+        max_batch_size=args.max_batch_size,
+    )
     return 0
 
 
@@ -248,9 +254,15 @@ def cmd_sandbox_image_build(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from corral.run import DEFAULT_BUNDLE, run_main_job
+    from corral.run import DEFAULT_BUNDLE, TRAINED_GRIDSIM_POLICY, run_main_job
 
     bundle = Path(args.bundle) if args.bundle else DEFAULT_BUNDLE
+    # The trained policy plays gridsim only: another bundle gets it only when asked for.
+    policy = Path(args.policy) if args.policy else None
+    if policy is None and bundle.resolve() == DEFAULT_BUNDLE.resolve():
+        policy = TRAINED_GRIDSIM_POLICY
+    if policy is not None and args.policy and not (policy / "config.json").is_file():
+        raise SystemExit(f"corral run: no model at {policy} (--policy)")
     if not (bundle / "bundle.toml").exists():
         raise SystemExit(f"corral run: no bundle at {bundle} (pass --bundle PATH)")
     return run_main_job(
@@ -259,6 +271,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         seed=args.seed,
         bundle=bundle,
         sandbox=args.sandbox,
+        policy=policy,
+        policy_days=args.policy_days,
     )
 
 
@@ -288,6 +302,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=list(BACKENDS),
         default="local",
         help="where the bundle's envs run (local: a subprocess, no isolation)",
+    )
+    run.add_argument(
+        "--policy",
+        metavar="PATH",
+        help="a model that plays the bundle (default for gridsim: examples/gridsim_rl/model)",
+    )
+    run.add_argument(
+        "--policy-days", type=int, default=24, help="eval days the policy plays (0: none)"
     )
     run.set_defaults(func=cmd_run)
 
@@ -423,6 +445,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--host", default="127.0.0.1")
     engine.add_argument("--port", type=int, default=30000)
     engine.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    engine.add_argument(
+        "--max-batch-size", type=int, default=64, help="requests decoded together (the rest wait)"
+    )
     engine.set_defaults(func=cmd_engine)
 
     gateway = sub.add_parser(

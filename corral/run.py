@@ -1,6 +1,6 @@
 """``corral run``: the main job on embedded defaults.
 
-Today, two stages on 127.0.0.1:
+Stages on 127.0.0.1:
 
 1. the gateway: build the tiny model (once, cached under the workdir), start the local engine
    and the gateway, and play tool-calling conversations through the official OpenAI SDK,
@@ -13,7 +13,10 @@ Today, two stages on 127.0.0.1:
    (:func:`corral.adapters.slime.generate`, with slime-shaped samples and the local engine as
    slime's router): the adapter serves its own gateway, the player runs each episode through
    it against the env server, and the samples (tokens, loss masks, logprobs, the verifier's
-   reward) are saved.
+   reward) are saved;
+4. the trained policy: the model examples/gridsim_rl trained (kept in the repository) plays
+   eval days through its own local engine and gateway on the CPU, greedily, and its grades
+   are reported (a model that solves gridsim, where the tiny model cannot).
 
 The trainer joins this job as it lands (DESIGN.md, "A rollout, end to end").
 """
@@ -25,7 +28,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from rich.console import Console
@@ -34,6 +37,9 @@ from rich.table import Table
 
 from corral.engines.tiny_model import CITIES, CONDITIONS, TOOLS, cached_tiny_model
 from corral.stack import local_stack
+
+if TYPE_CHECKING:
+    from corral.adapters.evals import EvalReport
 
 
 @dataclass(frozen=True)
@@ -127,6 +133,8 @@ def _ask(client: Any, messages: list[dict[str, Any]], *, stream: bool) -> dict[s
 
 
 DEFAULT_BUNDLE = Path(__file__).resolve().parents[1] / "bundles" / "gridsim"
+# The policy examples/gridsim_rl trained (a 7M-parameter Qwen3, bf16): it plays gridsim on CPU.
+TRAINED_GRIDSIM_POLICY = Path(__file__).resolve().parents[1] / "examples" / "gridsim_rl" / "model"
 
 
 async def _idle_episodes(url: str, split: str, count: int) -> list[float | None]:
@@ -151,6 +159,8 @@ def run_env_stage(
     *,
     engine_url: str,
     model_dir: Path,
+    policy: Path | None = None,
+    policy_days: int = 0,
 ) -> None:
     from corral.adapters.rows import RowSettings, write_rows
     from corral.envs.server import build_app
@@ -161,6 +171,8 @@ def run_env_stage(
         counts = write_rows(url, out / "rows", RowSettings())
         rewards = asyncio.run(_idle_episodes(url, "eval", episodes))
         run_slime_stage(out, episodes, console, engine_url=engine_url, model_dir=model_dir)
+        if policy is not None and policy_days > 0:
+            run_policy_stage(out, policy, policy_days, console)
     console.print(
         "rows: " + ", ".join(f"{name} {n}" for name, n in counts.items()) + f" in {out / 'rows'}"
     )
@@ -199,6 +211,7 @@ def run_slime_stage(
                 group_index=i, index=i, prompt=row["messages"], metadata=row["metadata"]
             )
             played.append(await slime.generate(args, sample, dict(sampling)))
+        await slime.close_clients()
         return played
 
     try:
@@ -226,6 +239,36 @@ def run_slime_stage(
     console.print(f"slime-shaped samples in {out / 'slime-samples.jsonl'}")
 
 
+def run_policy_stage(out: Path, policy: Path, days: int, console: Console) -> EvalReport:
+    """The trained policy plays the first ``days`` eval rows (already written under
+    ``out/rows``, their env server running) through its own local engine and gateway on this
+    machine's CPU, greedily, with the player: the whole rollout path with a model that solves
+    the task. Writes ``out/policy-eval`` (summary and episodes)."""
+    from corral.adapters.evals import eval_rows, write_eval
+    from corral.adapters.rows import read_rows
+
+    rows = read_rows(out / "rows" / "eval.jsonl")[:days]
+    console.print(f"the trained policy {policy} plays {len(rows)} eval days on the CPU")
+    with local_stack(policy, max_batch_size=max(len(rows), 1)) as urls:
+        report = asyncio.run(
+            eval_rows(rows, urls.gateway, concurrency=len(rows), sampling={"temperature": 0.0})
+        )
+    write_eval(report, out / "policy-eval")
+    table = Table(title=f"the trained policy on {len(rows)} gridsim eval days (idle grades 0.2)")
+    for col in ("days", "mean grade", "graded 0", "failed"):
+        table.add_column(col)
+    named = [("all", report.overall), *sorted(report.groups.items())]
+    for name, stats in named:
+        label = name if name == "all" else f"{report.group_by} = {name}"
+        se = f" ± {stats.se:.3f}" if stats.se is not None else ""
+        mean = f"{stats.mean:.3f}{se}" if stats.mean is not None else "-"
+        zero = f"{stats.zero_share:.0%}" if stats.zero_share is not None else "-"
+        table.add_row(f"{label}: {stats.episodes}", mean, zero, str(stats.failed))
+    console.print(table)
+    console.print(f"episodes in {out / 'policy-eval'}")
+    return report
+
+
 def _sample_json(sample: Any) -> dict[str, Any]:
     keys = ("group_index", "index", "rollout_id", "tokens", "response_length", "loss_mask",
             "rollout_log_probs", "reward", "metadata", "remove_sample")  # fmt: skip
@@ -239,7 +282,12 @@ def run_main_job(
     seed: int = 0,
     bundle: Path = DEFAULT_BUNDLE,
     sandbox: str = "local",
+    policy: Path | None = TRAINED_GRIDSIM_POLICY,
+    policy_days: int = 24,
 ) -> int:
+    """The main job (module docstring). ``policy``: a model that plays the bundle, played on
+    ``policy_days`` eval rows after the other stages (skipped when it is None, absent or
+    ``policy_days`` is 0)."""
     console = Console()
     console.print("the tiny model: built offline once, then cached")
     model_dir = cached_tiny_model("qwen25", seed=seed, cache_dir=workdir / "models")
@@ -260,6 +308,8 @@ def run_main_job(
             sandbox,
             engine_url=urls.engine,
             model_dir=model_dir,
+            policy=policy if policy is not None and (policy / "config.json").is_file() else None,
+            policy_days=policy_days,
         )
     return 0
 

@@ -589,3 +589,30 @@ def test_http_update_weights_from_disk(tiny_model_dir: Path, new_weights_dir: Pa
         )
         assert missing.status_code == 400 and missing.json()["success"] is False
         assert client.get("/get_model_info").json()["weight_version"] == "v7"
+
+
+async def test_weights_of_the_loaded_architecture_are_copied_in_place(
+    tiny_model_dir: Path, new_weights_dir: Path, tmp_path: Path
+) -> None:
+    """A trainer's next weights (the same config) go into the loaded model: no new model is
+    built per step. Another config with the same shapes is loaded as a new model."""
+    engine = LocalEngine(tiny_model_dir)
+    await engine.start()
+    try:
+        loaded = engine._worker.model
+        answer = await engine.update_weights_from_disk(new_weights_dir, weight_version="w1")
+        assert answer.success and engine._worker.model is loaded
+        assert engine.model_info().model_path == str(new_weights_dir)
+        on_disk = AutoModelForCausalLM.from_pretrained(str(new_weights_dir)).state_dict()
+        own = loaded.state_dict()
+        assert all(torch.equal(own[name], tensor) for name, tensor in on_disk.items())
+
+        config = AutoConfig.from_pretrained(str(new_weights_dir))
+        config.max_position_embeddings = 2 * config.max_position_embeddings
+        other = AutoModelForCausalLM.from_pretrained(str(new_weights_dir), config=config)
+        other.save_pretrained(str(tmp_path / "other"))
+        answer = await engine.update_weights_from_disk(tmp_path / "other", weight_version="w2")
+        assert answer.success and engine._worker.model is not loaded
+        assert engine.model_info().weight_version == "w2"
+    finally:
+        await engine.stop()

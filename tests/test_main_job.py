@@ -14,7 +14,7 @@ def test_the_main_job_runs_the_whole_path(tiny_model_dir: Path, tmp_path: Path) 
     models = tmp_path / "work" / "models"
     models.mkdir(parents=True)
     shutil.copytree(tiny_model_dir, models / tiny_model_dir.name)  # a cache hit, not a build
-    assert run_main_job(workdir=tmp_path / "work", episodes=2) == 0
+    assert run_main_job(workdir=tmp_path / "work", episodes=2, policy_days=9) == 0
     runs = tmp_path / "work" / "runs"
     gateway_samples = (runs / "gateway-demo" / "samples.jsonl").read_text().splitlines()
     assert len(gateway_samples) >= 2
@@ -28,3 +28,11 @@ def test_the_main_job_runs_the_whole_path(tiny_model_dir: Path, tmp_path: Path) 
         assert s["status"] in ("completed", "truncated")
         assert len(s["loss_mask"]) == len(s["rollout_log_probs"]) == s["response_length"]
         assert sum(s["loss_mask"]) > 0
+
+    # The policy examples/gridsim_rl trained plays gridsim on this CPU: legal schedules that
+    # earn most of the optimum (idle grades 0.2; the tiny model above earns nothing).
+    summary = json.loads((runs / "gridsim" / "policy-eval" / "summary.json").read_text())
+    assert summary["overall"]["episodes"] == 9 and summary["overall"]["failed"] == 0
+    assert summary["overall"]["zero_share"] == 0.0
+    assert summary["overall"]["mean"] > 0.6
+    assert set(summary["groups"]) == {"1", "2", "4"}  # battery sizes, from the bundle

@@ -243,11 +243,76 @@ def test_corral_train_serves_its_own_stack_and_plots(tiny_model_dir: Path, tmp_p
     sandboxes) started by ``corral train`` itself, rows written into the run folder."""
     from corral.cli import main
 
+    run = _one_greedy_step(tiny_model_dir, tmp_path)
+    assert (run / "rows" / "train.jsonl").is_file()
+    assert json.loads((run / "config.json").read_text())["schedule"]["steps"] == 1
+    assert (run / "curves.png").stat().st_size > 10_000
+    assert main(["train", "--set", "rollout.temperature=-1"]) == 2
+
+
+async def test_a_time_limit_ends_the_run_like_its_last_step_and_a_rerun_goes_on(
+    stack: StackURLs, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    bundle = write_weather_bundle(tmp_path / "weather", modes=("ok", "wrong"))
+    schedule = {"steps": 3, "eval_every": 5, "checkpoint_every": 5}
+    with serve(build_app(bundle)) as url:
+        services = _services(stack, await _rows(tmp_path, url), tiny_model_dir)
+        # No second step fits in a microsecond: the run stops after its first.
+        cut = await _train(
+            _config(tmp_path / "run", schedule={**schedule, "time_limit": 1e-6}), services
+        )
+        rest = await _train(_config(tmp_path / "run", schedule=schedule), services)
+
+    # Stopped as at a last step: checkpointed and evaluated there, although neither is due.
+    assert [(m["step"], m.get("kind", "step")) for m in cut] == [
+        (0, "eval"),
+        (1, "step"),
+        (1, "eval"),
+    ]
+    assert (tmp_path / "run" / "evals" / "step-000001" / "summary.json").is_file()
+    # The rerun resumed from that checkpoint and went on to the last step.
+    assert [(m["step"], m.get("kind", "step")) for m in rest] == [
+        (2, "step"),
+        (3, "step"),
+        (3, "eval"),
+    ]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == [
+        "step-000001",
+        "step-000003",
+    ]
+
+
+def test_corral_train_can_run_its_services_as_child_processes(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """``engine.processes`` and ``env.processes``: ``corral engine``, ``corral gateway`` and
+    ``corral serve`` as child processes, weights through disk; the run is the same as with
+    threads (greedy rollouts: the same rewards) and no child outlives it."""
+    from corral.cli import main
+
+    run = _one_greedy_step(tiny_model_dir, tmp_path, "engine.processes=true", "env.processes=true")
+    bundle = tmp_path / "weather"
+    assert (run / "weights" / "step-1" / "config.json").is_file()  # pushed through disk
+    for name in ("engine", "gateway", "env"):
+        assert "Uvicorn running" in (run / "logs" / f"{name}.log").read_text()
+    assert not _processes_naming(str(bundle)) and not _processes_naming(str(tiny_model_dir))
+    # Settings that contradict each other are refused before anything starts.
+    assert main(["train", "--set", "engine.processes=true", "--set", 'engine.url="http://x"',
+                 "--set", 'engine.gateway="http://y"']) == 2  # fmt: skip
+
+
+def _one_greedy_step(tiny_model: Path, tmp_path: Path, *extra: str) -> Path:
+    """``corral train`` for one step at temperature 0 on the weather bundle (rows ``ok`` and
+    ``wrong``, evaluated on the train split), with ``extra`` settings; checks the lines and the
+    rewards every such run has (0.5: one row graded 1, one graded 0); returns the run folder."""
+    from corral.cli import main
+
     bundle = write_weather_bundle(tmp_path / "weather", modes=("ok", "wrong"))
     run = tmp_path / "run"
-    sets = [f'model.path="{tiny_model_dir}"', f'env.bundle="{bundle}"', 'env.eval_split="train"',
+    sets = [f'model.path="{tiny_model}"', f'env.bundle="{bundle}"', 'env.eval_split="train"',
             "rollout.groups_per_step=2", "rollout.rollouts_per_row=2", "rollout.temperature=0",
-            "rollout.max_tokens=48", "schedule.eval_every=1", "tensorboard=false"]  # fmt: skip
+            "rollout.max_tokens=48", "schedule.eval_every=1", "tensorboard=false",
+            *extra]  # fmt: skip
     rc = main(["train", "--run-dir", str(run), "--steps", "1", *[f"--set={s}" for s in sets]])
     assert rc == 0
     lines = read_metrics(run)
@@ -256,8 +321,20 @@ def test_corral_train_serves_its_own_stack_and_plots(tiny_model_dir: Path, tmp_p
         (1, "step"),
         (1, "eval"),
     ]
-    assert lines[0]["eval/reward/mean"] == 0.5 and lines[1]["reward/mean"] == 0.5  # greedy
-    assert (run / "rows" / "train.jsonl").is_file()
-    assert json.loads((run / "config.json").read_text())["schedule"]["steps"] == 1
-    assert (run / "curves.png").stat().st_size > 10_000
-    assert main(["train", "--set", "rollout.temperature=-1"]) == 2
+    assert lines[0]["eval/reward/mean"] == 0.5 and lines[1]["reward/mean"] == 0.5
+    return run
+
+
+def _processes_naming(text: str) -> list[int]:
+    """Live processes whose command line holds ``text``."""
+    import os
+
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if text in cmdline and int(pid) != os.getpid():
+            found.append(int(pid))
+    return found

@@ -211,10 +211,13 @@ async def eval_rows(
     ``env_token``: the env servers' token, for their task API (episodes look it up through the
     rows' token variable)."""
     group_by, groups = await asyncio.to_thread(task_groups, rows, env_token)
-    async with GatewayAdmin(gateway_url, admin_token) as admin:
+    async with (
+        GatewayAdmin(gateway_url, admin_token) as admin,
+        Player(admin, sampling=sampling) as player,
+    ):
         return await run_eval(
             rows,
-            Player(admin, sampling=sampling),
+            player,
             n=n,
             concurrency=concurrency,
             groups=groups,

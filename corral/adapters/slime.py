@@ -247,14 +247,15 @@ def _start_gateway(args: Any) -> ServedGateway:
 class _ProcessGateway:
     """One gateway per process, started by the first rollout that needs it (thread-safe: slime
     may call from more than one thread; async-safe: the blocking start runs off the loop), and
-    one admin client per event loop (an HTTP client belongs to the loop that made it)."""
+    one player (with its admin and OpenAI clients) per event loop (an HTTP client belongs to
+    the loop that made it)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._served: ServedGateway | None = None
-        self._admins: weakref.WeakKeyDictionary[
-            asyncio.AbstractEventLoop, tuple[str, GatewayAdmin]
-        ] = weakref.WeakKeyDictionary()
+        self._players: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[str, Player]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     async def get(self, args: Any) -> ServedGateway:
         served = self._served
@@ -268,13 +269,21 @@ class _ProcessGateway:
                 self._served = _start_gateway(args)
             return self._served
 
-    def admin(self, served: ServedGateway) -> GatewayAdmin:
+    def player(self, served: ServedGateway) -> Player:
+        """This loop's player for ``served`` (sampling is given per rollout)."""
         loop = asyncio.get_running_loop()
-        cached = self._admins.get(loop)
+        cached = self._players.get(loop)
         if cached is None or cached[0] != served.url:
-            cached = (served.url, GatewayAdmin(served.url, served.admin_token))
-            self._admins[loop] = cached
+            cached = (served.url, Player(GatewayAdmin(served.url, served.admin_token)))
+            self._players[loop] = cached
         return cached[1]
+
+    async def close_clients(self) -> None:
+        """Close this loop's player and admin clients (the next rollout makes new ones)."""
+        cached = self._players.pop(asyncio.get_running_loop(), None)
+        if cached is not None:
+            await cached[1].aclose()
+            await cached[1].gateway.aclose()
 
     def stop(self) -> None:
         with self._lock:
@@ -284,6 +293,12 @@ class _ProcessGateway:
 
 
 _GATEWAY = _ProcessGateway()
+
+
+async def close_clients() -> None:
+    """Close the HTTP clients rollouts on the running loop use (call it on that loop before
+    the loop ends, or aiohttp warns of unclosed sessions); the gateway keeps running."""
+    await _GATEWAY.close_clients()
 
 
 def shutdown() -> None:
@@ -480,9 +495,13 @@ async def play_sample(
         number = rollout_number(sample, secrets.token_hex(8))
         return [aborted_sample(sample, number, "the trainer aborted the step before it started")]
     served = await _GATEWAY.get(args)
-    player = Player(_GATEWAY.admin(served), sampling=overrides)
     rollout = await _play_unless_aborted(
-        player, row, aborted, group_index=sample.group_index, index=sample.index
+        _GATEWAY.player(served),
+        row,
+        aborted,
+        group_index=sample.group_index,
+        index=sample.index,
+        sampling=overrides,
     )
     if rollout is None:
         number = rollout_number(sample, secrets.token_hex(8))

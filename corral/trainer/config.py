@@ -37,7 +37,9 @@ class ModelSettings(_Section):
 
 class EnvSettings(_Section):
     """Where episodes run. ``url`` set: an env server already serving (its rows are read from
-    it). Unset: ``bundle`` is served in this process, episodes in ``sandbox`` sandboxes."""
+    it). Unset: ``bundle`` is served by this run, episodes in ``sandbox`` sandboxes: in this
+    process, or with ``processes`` in a child process (``corral serve``) whose CPU work then
+    runs beside the trainer's instead of sharing its interpreter."""
 
     # The gridsim bundle of this checkout (what `corral run` serves) unless given.
     bundle: Path = Path(__file__).resolve().parents[2] / "bundles" / "gridsim"
@@ -49,13 +51,23 @@ class EnvSettings(_Section):
     max_turns: int = Field(default=4, ge=1)
     tool_timeout: float = Field(default=60.0, gt=0)
     model_timeout: float = Field(default=600.0, gt=0)
+    processes: bool = False
+
+    @model_validator(mode="after")
+    def _served_here_or_there(self) -> EnvSettings:
+        if self.processes and self.url is not None:
+            raise ValueError("[env] processes serves the bundle; it does not go with url")
+        return self
 
 
 class EngineSettings(_Section):
     """The inference side. Unset ``url``: the local engine and a gateway in this process (the
-    weights go to it in memory). Set: an SGLang engine (or several, comma-separated) that the
-    gateway at ``gateway`` fronts; weights go through ``update_weights_from_disk`` from
-    ``<run>/weights`` (a path the engines must be able to read)."""
+    weights go to it in memory), or with ``processes`` in two child processes (``corral
+    engine``, ``corral gateway``: they get CPU cores of their own, which a few hundred
+    rollouts in flight need; weights then go through disk as below). Set: an SGLang engine (or
+    several, comma-separated) that the gateway at ``gateway`` fronts; weights go through
+    ``update_weights_from_disk`` from ``<run>/weights`` (a path the engines must be able to
+    read)."""
 
     url: str | None = None
     gateway: str | None = None
@@ -63,11 +75,14 @@ class EngineSettings(_Section):
     # The local engine's decode batch (requests beyond it wait for a free slot); a step plays
     # groups_per_step x rollouts_per_row rollouts, up to rollout.concurrency at once.
     max_batch_size: int = Field(default=64, ge=1)
+    processes: bool = False
 
     @model_validator(mode="after")
     def _both_or_neither(self) -> EngineSettings:
         if (self.url is None) != (self.gateway is None):
             raise ValueError("[engine] url and gateway go together (or neither: the local engine)")
+        if self.processes and self.url is not None:
+            raise ValueError("[engine] processes starts the local engine; it does not go with url")
         return self
 
 
@@ -133,9 +148,13 @@ class LossSettings(_Section):
 
 class ScheduleSettings(_Section):
     """``eval_every``/``checkpoint_every`` in steps (0: never; evaluation also runs before the
-    first step and after the last when it is on). ``eval_limit`` caps the eval rows used."""
+    first step and after the last when it is on). ``eval_limit`` caps the eval rows used.
+    ``time_limit`` (seconds, from when this process starts stepping): the run ends early, as
+    it would after its last step (a checkpoint, an evaluation), once another step and an
+    evaluation would not fit; running it again resumes towards ``steps``."""
 
     steps: int = Field(default=10, ge=0)
+    time_limit: float | None = Field(default=None, gt=0)
     eval_every: int = Field(default=5, ge=0)
     eval_limit: int | None = Field(default=None, ge=1)
     eval_temperature: float = Field(default=0.0, ge=0)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import statistics
 import time
@@ -69,6 +70,8 @@ from corral.trainer.weights import FollowerWeightSync, WeightSync
 
 if TYPE_CHECKING:
     from corral.trainer.ray_cluster import RayGroupDraw
+
+log = logging.getLogger(__name__)
 
 INITIAL_VERSION = "step-0"
 
@@ -126,6 +129,7 @@ class Trainer:
         self.progress = progress
         self.on_line = on_line
         self._rollouts_done = 0
+        self._eval_s = 0.0  # the last evaluation's wall time (what the time limit allows for)
         self.run_dir = config.run_dir
         self.lines: list[dict[str, Any]] = []
 
@@ -230,6 +234,7 @@ class Trainer:
                         on_played=self._count_rollout,
                     )
                 pending: _Fill | None = None
+                clock = _Budget(cfg.schedule.time_limit)
                 try:
                     while step < cfg.schedule.steps:
                         if evaluating and step % cfg.schedule.eval_every == 0:
@@ -269,8 +274,11 @@ class Trainer:
                             "time/step": generation_s + training_s + sync_s,
                             "memory/peak_gb": peak_memory_gb(cfg.model.device),
                         }
+                        final = step == cfg.schedule.steps or not clock.fits(
+                            line["time/step"] + (self._eval_s if evaluating else 0.0)
+                        )
                         every = cfg.schedule.checkpoint_every
-                        if every and (step % every == 0 or step == cfg.schedule.steps):
+                        if every and (step % every == 0 or final):
                             # What the next fill starts from: if it already runs (overlap),
                             # the place it started at, else where the sampler stands now.
                             sampler_state, group = (
@@ -281,6 +289,14 @@ class Trainer:
                             saved = TrainerState.capture(step, sampler_state, group, version)
                             await crew.command(_Command("checkpoint", state=saved))
                         self._write(out, line)
+                        if final and step < cfg.schedule.steps:
+                            log.warning(
+                                "schedule.time_limit: stopping after step %d of %d; run again "
+                                "to go on",
+                                step,
+                                cfg.schedule.steps,
+                            )
+                            break
                 finally:
                     if pending is not None:  # an error ended the run while a fill was running
                         pending.task.cancel()
@@ -350,6 +366,7 @@ class Trainer:
         }
         for name, stats in sorted(report.groups.items()):
             line[f"eval/group/{name}"] = _num(stats.mean)
+        self._eval_s = line["time/eval"]
         self._write(out, line)
         return report
 
@@ -382,6 +399,16 @@ class _Command:
     version: str = ""
     groups: Sequence[Group] = ()
     state: TrainerState | None = None
+
+
+class _Budget:
+    """Wall time left of ``schedule.time_limit`` (None: unlimited), from when it is made."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.deadline = None if seconds is None else time.monotonic() + seconds
+
+    def fits(self, seconds: float) -> bool:
+        return self.deadline is None or time.monotonic() + seconds <= self.deadline
 
 
 class _Crew:

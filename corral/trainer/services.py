@@ -4,11 +4,14 @@
 :class:`~corral.trainer.config.TrainConfig`:
 
 - the engine side: without ``[engine] url``, the local engine and a gateway in this process on
-  127.0.0.1 (weights pushed in memory); with it, the given gateway and SGLang engines (weights
-  through ``<run>/weights`` and ``update_weights_from_disk``);
-- the env side: without ``[env] url``, the bundle served in this process (episodes in
-  ``[env] sandbox`` sandboxes); with it, that server. Either way the rows are written from the
-  server's task API into ``<run>/rows`` and read back per split.
+  127.0.0.1 (weights pushed in memory), or with ``[engine] processes`` in child processes
+  (weights through disk, logs in ``<run>/logs``); with ``url``, the given gateway and SGLang
+  engines (weights through ``<run>/weights`` and ``update_weights_from_disk``);
+- the env side: without ``[env] url``, the bundle served in this process or, with
+  ``[env] processes``, in a child process (episodes in ``[env] sandbox`` sandboxes); with it,
+  that server. Either way the rows are written from the server's task API into ``<run>/rows``
+  and read back per split. A server started here admits at least ``rollout.concurrency``
+  episodes at once.
 
 Everything started here stops when the block exits.
 """
@@ -40,6 +43,21 @@ def model_path(config: TrainConfig | SftConfig) -> Path:
     return cached_tiny_model()
 
 
+# The env server's own default capacity; a run with more rollouts in flight raises it (an
+# episode holds its slot while the model thinks, so a smaller cap throttles the whole step).
+_MIN_ENV_CAPACITY = 64
+
+
+def _gateway_host(on_ray: bool) -> str:
+    """On Ray the rollout workers may run on other nodes: the gateway listens on this node's
+    address, not on loopback."""
+    if not on_ray:
+        return "127.0.0.1"
+    from corral.trainer.ray_cluster import node_ip
+
+    return node_ip()
+
+
 def _token(var: str | None, what: str) -> str | None:
     if var is None:
         return None
@@ -53,27 +71,48 @@ def _token(var: str | None, what: str) -> str | None:
 def run_services(config: TrainConfig) -> Iterator[Services]:
     """Start or find the run's services (module docstring). ServicesError for a missing token
     or a split without rows; the env server's and the engines' own errors propagate."""
+    from corral.processes import serve_in_process
     from corral.serving import serve_in_thread
     from corral.stack import local_stack
 
     path = model_path(config)
     on_ray = config.ray.address is not None
+    logs = config.run_dir / "logs"
     with ExitStack() as stack:
         weight_sync: WeightSync
-        if config.engine.url is None:
-            # On Ray the rollout workers may run on other nodes: the gateway listens on this
-            # node's address, not on loopback.
-            if on_ray:
-                from corral.trainer.ray_cluster import node_ip
-
-                host = node_ip()
-            else:
-                host = "127.0.0.1"
+        if config.engine.url is None and config.engine.processes:
+            host = _gateway_host(on_ray)
+            engine_url = stack.enter_context(
+                serve_in_process(
+                    [
+                        "engine",
+                        "--model",
+                        str(path),
+                        "--device",
+                        config.model.device,
+                        "--max-batch-size",
+                        str(config.engine.max_batch_size),
+                    ],
+                    log=logs / "engine.log",
+                )
+            )
+            gateway = stack.enter_context(
+                serve_in_process(
+                    ["gateway", "--engine-url", engine_url, "--model", str(path)],
+                    host=host,
+                    log=logs / "gateway.log",
+                )
+            )
+            admin_token = None
+            weight_sync = DiskWeightSync(
+                [engine_url], config.run_dir / "weights", tokenizer_from=path
+            )
+        elif config.engine.url is None:
             urls = stack.enter_context(
                 local_stack(
                     path,
                     device=config.model.device,
-                    gateway_host=host,
+                    gateway_host=_gateway_host(on_ray),
                     max_batch_size=config.engine.max_batch_size,
                 )
             )
@@ -90,8 +129,17 @@ def run_services(config: TrainConfig) -> Iterator[Services]:
         env = config.env
         env_token = _token(env.token_var, "[env] token_var")
         env_urls: list[str] = []
+        capacity = max(_MIN_ENV_CAPACITY, config.rollout.concurrency)
         if env.url is not None:
             env_url = env.url
+        elif env.processes:
+            argv = ["serve", str(env.bundle), "--tool-timeout", str(env.tool_timeout)]
+            argv += ["--max-concurrent-envs", str(capacity)]
+            if env.sandbox is not None:
+                argv += ["--sandbox", env.sandbox]
+            if env.token_var is not None:
+                argv += ["--token-var", env.token_var]
+            env_url = stack.enter_context(serve_in_process(argv, log=logs / "env.log"))
         elif on_ray:
             from corral.trainer.ray_cluster import start_env_servers
 
@@ -101,6 +149,7 @@ def run_services(config: TrainConfig) -> Iterator[Services]:
                 sandbox=env.sandbox,
                 token=env_token,
                 tool_timeout=env.tool_timeout,
+                max_concurrent_envs=capacity,
             )
             for server in servers:
                 stack.callback(server.stop)
@@ -110,7 +159,11 @@ def run_services(config: TrainConfig) -> Iterator[Services]:
             from corral.envs.server import build_app
 
             app = build_app(
-                env.bundle, token=env_token, tool_timeout=env.tool_timeout, sandbox=env.sandbox
+                env.bundle,
+                token=env_token,
+                tool_timeout=env.tool_timeout,
+                sandbox=env.sandbox,
+                max_concurrent_envs=capacity,
             )
             env_url = stack.enter_context(serve_in_thread(app))
         rows_dir = config.run_dir / "rows"

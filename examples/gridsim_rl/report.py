@@ -60,6 +60,59 @@ def baselines(limit: int | None = None) -> dict[str, dict[str, Any]]:
     }
 
 
+def paired_differences(
+    rl_dir: Path, first: int, last: int, limit: int | None = None
+) -> dict[str, dict[str, Any]]:
+    """Per-day grade differences on the same eval days (the noise between days cancels):
+    after RL minus the SFT start, after RL minus the greedy rule, the SFT start minus the
+    greedy rule; each with its mean, standard error and how many days were better, equal
+    (within 1e-9) or worse. Empty when an evaluation kept no episodes."""
+    from bundles.gridsim.greedy import greedy_schedule
+    from bundles.gridsim.market import Battery, scores
+
+    def grades(step: int) -> dict[str, float]:
+        path = rl_dir / "evals" / f"step-{step:06d}" / "episodes.jsonl"
+        if not path.is_file():
+            return {}
+        episodes = [json.loads(line) for line in path.read_text().splitlines() if line]
+        return {e["task_id"]: float(e["reward"] or 0.0) for e in episodes}
+
+    start, end = grades(first), grades(last)
+    greedy = {}
+    for task in gridsim().tasks("eval")[:limit]:
+        prices, battery = task.data["prices"], Battery.from_data(task.data)
+        greedy[task.id] = scores(prices, greedy_schedule(prices, battery), battery)["grade"]
+    pairs = {
+        "after RL - SFT start": (end, start),
+        "after RL - greedy rule": (end, greedy),
+        "SFT start - greedy rule": (start, greedy),
+    }
+    out: dict[str, dict[str, Any]] = {}
+    for name, (a, b) in pairs.items():
+        days = sorted(set(a) & set(b))
+        if not days:
+            continue
+        diffs = [a[d] - b[d] for d in days]
+        out[name] = {
+            **_stats(diffs),
+            "better": sum(x > 1e-9 for x in diffs),
+            "equal": sum(abs(x) <= 1e-9 for x in diffs),
+            "worse": sum(x < -1e-9 for x in diffs),
+        }
+    return out
+
+
+def render_paired(paired: dict[str, dict[str, Any]]) -> str:
+    rows = "\n".join(
+        f"| {name} | {s['mean']:+.4f} ± {s['se'] or 0.0:.4f} | {s['better']} | {s['equal']} | "
+        f"{s['worse']} |"
+        for name, s in paired.items()
+    )
+    return (
+        f"| difference | mean ± se | days better | equal | worse |\n|---|---|---|---|---|\n{rows}"
+    )
+
+
 def eval_summaries(rl_dir: Path) -> dict[int, dict[str, Any]]:
     """Every evaluation of the RL run: step -> its ``summary.json``."""
     out = {}
@@ -113,9 +166,11 @@ def write_report(out: Path, rl_dir: Path, facts: dict[str, Any]) -> dict[str, An
         f"SFT start (step {first})": evals[first],
         f"after RL (step {last})": evals[last],
     }
+    paired = paired_differences(rl_dir, first, last, limit=episodes)
     results = {
         "eval_days": episodes,
         "policies": policies,
+        "paired": paired,
         "evals": {str(step): summary for step, summary in sorted(evals.items())},
         "facts": facts,
     }
@@ -131,7 +186,8 @@ def write_report(out: Path, rl_dir: Path, facts: dict[str, Any]) -> dict[str, An
     (out / "results.md").write_text(
         f"# gridsim RL: results on {episodes} eval days\n\n"
         "Mean grade ± standard error of the mean (temperature 0, one episode per day).\n\n"
-        f"{render_table(policies)}\n\n## Every evaluation\n\n"
+        f"{render_table(policies)}\n\n## Paired differences (the same days)\n\n"
+        f"{render_paired(paired)}\n\n## Every evaluation\n\n"
         "| step | all | 1 MWh | 2 MWh | 4 MWh | graded 0 |\n|---|---|---|---|---|---|\n"
         f"{curve}\n\n## Run\n\n{facts_lines}\n"
     )

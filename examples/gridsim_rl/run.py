@@ -86,14 +86,19 @@ class Pipeline:
         return False
 
     def _rl_done(self) -> bool:
+        steps = int(self.settings.rl.get("schedule", {}).get("steps", 10))
+        reached = self._rl_reached()
+        return reached is not None and reached >= steps
+
+    def _rl_reached(self) -> int | None:
+        """The step of the RL run's latest checkpoint when it was also evaluated (a run's end,
+        or its stop at ``schedule.time_limit``); 0 for a finished run of no steps; else None."""
         from corral.trainer.checkpoint import latest_checkpoint
 
-        steps = int(self.settings.rl.get("schedule", {}).get("steps", 10))
         latest = latest_checkpoint(self.rl_dir)
-        if latest is None:
-            return steps == 0 and (self.rl_dir / "evals" / "step-000000").is_dir()
-        reached = json.loads((latest / "state.json").read_text())["step"]
-        return bool(reached >= steps and (self.rl_dir / "evals" / f"step-{reached:06d}").is_dir())
+        reached = 0 if latest is None else json.loads((latest / "state.json").read_text())["step"]
+        evaluated = (self.rl_dir / "evals" / f"step-{reached:06d}").is_dir()
+        return reached if evaluated else None
 
     def run(self, stages: tuple[str, ...] = STAGES) -> None:
         """Run ``stages`` in order, skipping those already done (the report is always run)."""
@@ -286,7 +291,8 @@ class Pipeline:
         """Results, curves and the final model (always rewritten)."""
         from .report import export_final_model, render_table, write_report
 
-        self._need("rl")
+        if self._rl_reached() is None:
+            raise StageError(f"no evaluated RL checkpoint in {self.rl_dir}: run stage 'rl' first")
         final = export_final_model(self.rl_dir, self.sft_model, self.report_dir / "final_model")
         facts: dict[str, Any] = {}
         summary = json.loads((self.data_dir / "summary.json").read_text())

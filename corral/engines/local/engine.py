@@ -74,6 +74,9 @@ class _Seq:
     stop_ids: frozenset[int]
     generator: torch.Generator
     event: asyncio.Event
+    # False for a caller that only wants the finished request (``generate``): its text is then
+    # decoded once, at the end, unless stop strings need it every step.
+    chunks: bool = True
     created: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -82,9 +85,9 @@ class _Seq:
     text: str = ""
     finish: FinishReason | None = None
     weight_version: str = "default"
-    # Per-layer (key, value) of shape [1, heads, kv_len, head_dim] while the sequence is not
-    # part of the worker's decode batch. Owned by the worker thread.
-    kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    # Where the sequence's KV lives while it is not part of the worker's decode batch: a row
+    # of a prefill's block. Owned by the worker thread.
+    kv: tuple[_Block, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,8 +98,51 @@ class _TokenResult:
     token: int
     logprob: float
     top: list[LogprobEntry] | None
-    text: str
+    text: str | None  # None: not decoded this step (nobody reads it before the end)
     finish: FinishReason | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Block:
+    """The KV of a batch of sequences, left-padded: row ``i``'s real keys and values are the
+    last ``lens[i]`` columns of every layer's [rows, heads, width, head_dim] tensors."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    lens: list[int]
+
+    @property
+    def width(self) -> int:
+        return int(self.layers[0][0].shape[2]) if self.layers else 0
+
+    def take(self, rows: list[int]) -> _Block:
+        """These rows (in this order), with the columns no kept row uses cut off."""
+        lens = [self.lens[r] for r in rows]
+        cut = self.width - max(lens)
+        if rows == list(range(len(self.lens))) and cut == 0:
+            return self
+        index = torch.tensor(rows, device=self.layers[0][0].device)
+        layers = [
+            (k.index_select(0, index)[:, :, cut:], v.index_select(0, index)[:, :, cut:])
+            for k, v in self.layers
+        ]
+        return _Block(layers, lens)
+
+    @staticmethod
+    def concat(blocks: list[_Block]) -> _Block:
+        """The blocks' rows one after the other, left-padded to the widest (zeros, masked)."""
+        if len(blocks) == 1:
+            return blocks[0]
+        width = max(b.width for b in blocks)
+        layers = []
+        for layer in range(len(blocks[0].layers)):
+            ks, vs = [], []
+            for b in blocks:
+                k, v = b.layers[layer]
+                pad = (0, 0, width - b.width, 0)
+                ks.append(torch.nn.functional.pad(k, pad) if pad[2] else k)
+                vs.append(torch.nn.functional.pad(v, pad) if pad[2] else v)
+            layers.append((torch.cat(ks), torch.cat(vs)))
+        return _Block(layers, [n for b in blocks for n in b.lens])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,46 +151,54 @@ class _TokenResult:
 
 
 def _sample(seqs: Sequence[_Seq], logits: torch.Tensor) -> list[tuple[int, float, Any]]:
-    """Pick one token per row of ``logits`` [B, V].
+    """Pick one token per row of ``logits`` [B, V], for the whole batch at once.
 
     The logprob reported is the token's log-probability under the distribution it was sampled
     from *before* top-k/top-p filtering: ``log_softmax(logits / T)`` (``T == 0``: greedy argmax,
-    ``log_softmax(logits)``). Each row draws from its own request's generator, so a seeded
-    request gives the same tokens whatever its batch mates are.
+    ``log_softmax(logits)``). A sampled row draws by the exponential race (the argmax of
+    ``p / E`` with ``E ~ Exp(1)`` per token picks token ``i`` with probability ``p_i``) with
+    noise from its own request's generator, so a seeded request gives the same tokens whatever
+    its batch mates are. One device-to-host copy per step.
     """
     logits = logits.float()
-    temps = torch.tensor(
-        [s.params.temperature if s.params.temperature > 0 else 1.0 for s in seqs],
-        device=logits.device,
-    )
-    logprobs = torch.log_softmax(logits / temps[:, None], dim=-1)
-    out: list[tuple[int, float, Any]] = []
-    vocab = logits.shape[-1]
-    for i, s in enumerate(seqs):
-        p = s.params
-        row = logprobs[i]
-        if p.temperature == 0:
-            token = int(torch.argmax(logits[i]))
-        else:
-            probs = row.exp()
-            if 0 < p.top_k < vocab:
-                vals, idx = torch.topk(probs, p.top_k)
-            elif p.top_p < 1.0:
-                vals, idx = torch.sort(probs, descending=True)
-            else:
-                vals, idx = probs, None
-            if p.top_p < 1.0:
-                # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-                cum = vals.cumsum(0)
-                vals = torch.where(cum - vals < p.top_p, vals, torch.zeros_like(vals))
-            choice = int(torch.multinomial(vals, 1, generator=s.generator))
-            token = choice if idx is None else int(idx[choice])
-        top = None
-        if s.top_n > 0:
-            t_vals, t_idx = torch.topk(row, min(s.top_n, vocab))
-            top = list(zip(t_vals.tolist(), t_idx.tolist(), [None] * len(t_vals), strict=True))
-        out.append((token, float(row[token]), top))
-    return out
+    batch, vocab = logits.shape
+    device = logits.device
+    params = [s.params for s in seqs]
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
+    logprobs = torch.log_softmax(logits / temps.to(device)[:, None], dim=-1)
+    tokens = torch.argmax(logits, dim=-1)
+    sampled = [i for i, p in enumerate(params) if p.temperature > 0]
+    if sampled:
+        rows = torch.tensor(sampled, device=device)
+        probs = logprobs.index_select(0, rows).exp()
+        top_k = [params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in sampled]
+        top_p = [params[i].top_p for i in sampled]
+        if min(top_k) < vocab or min(top_p) < 1.0:
+            # Keep each row's top_k most likely tokens and, of those, the smallest prefix whose
+            # mass reaches top_p (the most likely token always stays).
+            vals, order = torch.sort(probs, dim=-1, descending=True)
+            rank = torch.arange(vocab, device=device)[None, :]
+            keep = rank < torch.tensor(top_k, device=device)[:, None]
+            cum = vals.cumsum(-1)
+            keep &= (cum - vals) < torch.tensor(top_p, device=device)[:, None]
+            probs = torch.zeros_like(probs).scatter_(1, order, vals * keep)
+        noise = torch.empty_like(probs)
+        for row, i in enumerate(sampled):
+            noise[row].exponential_(generator=seqs[i].generator)
+        # A zero draw would divide a filtered-out token's 0 by 0 (NaN wins argmax).
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        tokens = tokens.index_copy(0, rows, torch.argmax(probs / noise, dim=-1))
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    top_n = max(s.top_n for s in seqs)
+    tops: list[Any] = [None] * batch
+    if top_n > 0:
+        t_vals, t_idx = torch.topk(logprobs, min(top_n, vocab), dim=-1)
+        vals_l, idx_l = t_vals.tolist(), t_idx.tolist()
+        for i, s in enumerate(seqs):
+            if s.top_n > 0:
+                n = min(s.top_n, vocab)
+                tops[i] = list(zip(vals_l[i][:n], idx_l[i][:n], [None] * n, strict=True))
+    return list(zip(tokens.tolist(), chosen.tolist(), tops, strict=True))
 
 
 def _held_back(text: str, stops: Sequence[str]) -> str:
@@ -162,25 +216,68 @@ def _held_back(text: str, stops: Sequence[str]) -> str:
     return text[: len(text) - cut] if cut else text
 
 
-def _check(seq: _Seq, token: int, tokenizer: Any) -> tuple[str, FinishReason | None]:
-    """Text and finish reason after appending ``token``, in SGLang's order: length, stop token,
-    stop string. Output ids always keep ``token``; only the text is trimmed."""
-    p = seq.params
-    ids = [*seq.output_ids, token]
-    full = tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
-    if len(ids) >= p.max_new_tokens:
-        return full, FinishReason.model_validate({"type": "length", "length": p.max_new_tokens})
-    if token in seq.stop_ids:
-        text = full
-        if not p.no_stop_trim:
-            text = tokenizer.decode(ids[:-1], skip_special_tokens=p.skip_special_tokens)
-        return text, FinishReason(type="stop", matched=token)
-    if p.stop:
-        hits = [(full.find(s), s) for s in p.stop if s and s in full]
-        if hits:
-            at, stop = min(hits)
-            return (full if p.no_stop_trim else full[:at]), FinishReason(type="stop", matched=stop)
-    return _held_back(full, p.stop or ()), None
+def _decode_all(tokenizer: Any, batches: list[tuple[list[int], bool]]) -> list[str]:
+    """Decode ``(ids, skip_special_tokens)`` pairs; one call into the Rust tokenizer per flag
+    value when the tokenizer has one (a Python call per sequence is most of a decode step's
+    CPU at a few hundred sequences)."""
+    out: list[str] = [""] * len(batches)
+    backend = getattr(tokenizer, "_tokenizer", None)
+    for skip in (True, False):
+        picked = [i for i, (_, flag) in enumerate(batches) if flag is skip]
+        if not picked:
+            continue
+        ids = [batches[i][0] for i in picked]
+        if backend is not None and hasattr(backend, "decode_batch"):
+            texts = backend.decode_batch(ids, skip_special_tokens=skip)
+        else:
+            texts = [tokenizer.decode(x, skip_special_tokens=skip) for x in ids]
+        for i, text in zip(picked, texts, strict=True):
+            out[i] = text
+    return out
+
+
+def _check(
+    seqs: Sequence[_Seq], tokens: Sequence[int], tokenizer: Any
+) -> list[tuple[str | None, FinishReason | None]]:
+    """Text and finish reason of each sequence after appending its token, in SGLang's order:
+    length, stop token, stop string. Output ids always keep the token; only the text is trimmed.
+    The text is decoded only where it is read: a finished request, a request with stop strings
+    (to find them) and a streamed one; elsewhere it is None."""
+    finishes: list[FinishReason | None] = []
+    wanted: list[tuple[list[int], bool]] = []
+    slots: list[int | None] = []
+    for seq, token in zip(seqs, tokens, strict=True):
+        p = seq.params
+        ids = [*seq.output_ids, token]
+        finish: FinishReason | None = None
+        if len(ids) >= p.max_new_tokens:
+            finish = FinishReason.model_validate({"type": "length", "length": p.max_new_tokens})
+        elif token in seq.stop_ids:
+            finish = FinishReason(type="stop", matched=token)
+            if not p.no_stop_trim:
+                ids = ids[:-1]
+        finishes.append(finish)
+        if finish is not None or p.stop or seq.chunks:
+            slots.append(len(wanted))
+            wanted.append((ids, p.skip_special_tokens))
+        else:
+            slots.append(None)
+    texts = _decode_all(tokenizer, wanted)
+    out: list[tuple[str | None, FinishReason | None]] = []
+    for seq, finish, slot in zip(seqs, finishes, slots, strict=True):
+        if slot is None:
+            out.append((None, None))
+            continue
+        full, p = texts[slot], seq.params
+        if finish is None and p.stop:
+            hits = [(full.find(s), s) for s in p.stop if s and s in full]
+            if hits:
+                at, stop = min(hits)
+                text = full if p.no_stop_trim else full[:at]
+                out.append((text, FinishReason(type="stop", matched=stop)))
+                continue
+        out.append((full if finish is not None else _held_back(full, p.stop or ()), finish))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,17 +290,21 @@ def _check(seq: _Seq, token: int, tokenizer: Any) -> tuple[str, FinishReason | N
 _CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
-def _layers(cache: DynamicCache) -> list[Any]:
-    """The cache's layers, each with ``keys``/``values`` [batch, heads, len, head_dim]."""
-    return list(cache.layers)
+def _kv(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's (keys, values), [batch, heads, len, head_dim] (full-attention layers only:
+    the engine refuses other models at load time)."""
+    layers: list[Any] = list(cache.layers)
+    return [(lay.keys, lay.values) for lay in layers]
 
 
 class _Worker:
     """Runs steps. Not thread-safe: the engine calls it from its single worker thread only.
 
-    The decode batch keeps one left-padded ``DynamicCache`` across steps while its membership
-    is unchanged (the common case); when a request joins or leaves, the survivors' KV is sliced
-    out and a new, tightly padded cache is built. Padding columns hold zeros and are masked.
+    The decode batch is one left-padded :class:`_Block` kept across steps while its membership
+    is unchanged (the common case). When requests join (a prefill's block) or leave, the new
+    batch is assembled block-wise: each block's surviving rows in one ``index_select`` per
+    layer, then one left-pad and concatenation per layer, whatever the number of sequences.
+    Padding columns hold zeros and are masked.
     """
 
     def __init__(self, model: Any, tokenizer: Any, device: torch.device) -> None:
@@ -211,13 +312,12 @@ class _Worker:
         self.tokenizer = tokenizer
         self.device = device
         self._batch: list[_Seq] = []
-        self._cache: DynamicCache | None = None
-        self._lens: torch.Tensor = torch.zeros(0, dtype=torch.long)
-        self._width = 0
+        self._cache: DynamicCache | None = None  # the decode batch's KV, left-padded
+        self._lens: list[int] = []  # each row's real KV length
 
     def reset(self) -> None:
         """Forget the decode batch (after a failed step; its requests have been finished)."""
-        self._batch, self._cache, self._width = [], None, 0
+        self._batch, self._cache, self._lens = [], None, []
 
     @torch.inference_mode()
     def step(self, prefill: list[_Seq], decode: list[_Seq]) -> list[_TokenResult]:
@@ -231,15 +331,15 @@ class _Worker:
             seqs += prefill
         if not seqs:
             return []
-        logits = torch.cat(rows)
-        results = []
-        for s, (token, lp, top) in zip(seqs, _sample(seqs, logits), strict=True):
-            text, finish = _check(s, token, self.tokenizer)
-            results.append(_TokenResult(s, token, lp, top, text, finish))
-        return results
+        picks = _sample(seqs, torch.cat(rows))
+        checks = _check(seqs, [token for token, _, _ in picks], self.tokenizer)
+        return [
+            _TokenResult(s, token, lp, top, text, finish)
+            for s, (token, lp, top), (text, finish) in zip(seqs, picks, checks, strict=True)
+        ]
 
     def _prefill(self, seqs: list[_Seq]) -> torch.Tensor:
-        """Left-padded prefill; each sequence keeps its own (unpadded) slice of the KV."""
+        """Left-padded prefill; the sequences' KV stays together as one block."""
         width = max(len(s.prompt) for s in seqs)
         ids = torch.zeros(len(seqs), width, dtype=torch.long)
         mask = torch.zeros(len(seqs), width, dtype=torch.long)
@@ -255,12 +355,10 @@ class _Worker:
             use_cache=True,
             logits_to_keep=1,
         )
+        cache = getattr(out, _CACHE)
+        block = _Block(_kv(cache), [len(s.prompt) for s in seqs])
         for i, s in enumerate(seqs):
-            start = width - len(s.prompt)
-            s.kv = [
-                (lay.keys[i : i + 1, :, start:], lay.values[i : i + 1, :, start:])
-                for lay in _layers(getattr(out, _CACHE))
-            ]
+            s.kv = (block, i)
         return out.logits[:, -1]
 
     def _decode(self, seqs: list[_Seq]) -> torch.Tensor:
@@ -270,53 +368,57 @@ class _Worker:
             or len(self._batch) != len(seqs)
             or any(a is not b for a, b in zip(self._batch, seqs, strict=False))
         ):
-            self._rebuild(seqs)
+            self._regroup(seqs)
         assert self._cache is not None
-        width = self._width
+        width = _kv(self._cache)[0][0].shape[2]
+        lens = torch.tensor(self._lens)
         # Row i's real KV occupies the last lens[i] columns; the new token goes at column width.
         cols = torch.arange(width + 1)
-        mask = (cols[None, :] >= (width - self._lens)[:, None]).long()
+        mask = (cols[None, :] >= (width - lens)[:, None]).long()
         ids = torch.tensor([[s.output_ids[-1]] for s in seqs])
         out = self.model(
             input_ids=ids.to(self.device),
             attention_mask=mask.to(self.device),
-            position_ids=self._lens[:, None].to(self.device),
+            position_ids=lens[:, None].to(self.device),
             **{_CACHE: self._cache},
             use_cache=True,
         )
-        self._width += 1
-        self._lens = self._lens + 1
+        self._lens = [n + 1 for n in self._lens]
         return out.logits[:, -1]
 
-    def _rebuild(self, seqs: list[_Seq]) -> None:
-        keep = {id(s) for s in seqs}
+    def _regroup(self, seqs: list[_Seq]) -> None:
+        """Make ``seqs`` (in this order) the decode batch: rows of the current batch and of
+        prefill blocks, taken block-wise."""
+        where: dict[int, tuple[_Block, int]] = {}
         if self._cache is not None:
+            current = _Block(_kv(self._cache), self._lens)
             for row, s in enumerate(self._batch):
-                if id(s) in keep:
-                    start = self._width - int(self._lens[row])
-                    s.kv = [
-                        (lay.keys[row : row + 1, :, start:], lay.values[row : row + 1, :, start:])
-                        for lay in _layers(self._cache)
-                    ]
-        lens = [s.kv[0][0].shape[2] for s in seqs if s.kv is not None]
-        if len(lens) != len(seqs):
+                where[id(s)] = (current, row)
+        for s in seqs:
+            if s.kv is not None:
+                where[id(s)] = s.kv
+        if any(id(s) not in where for s in seqs):
             raise RuntimeError("a decoding sequence has no KV cache (scheduler bug)")
-        width = max(lens)
-        layers = []
-        for layer in range(len(seqs[0].kv or ())):
-            ks, vs = [], []
-            for s in seqs:
-                k, v = (s.kv or [])[layer]
-                pad = (0, 0, width - k.shape[2], 0)
-                ks.append(torch.nn.functional.pad(k, pad))
-                vs.append(torch.nn.functional.pad(v, pad))
-            layers.append((torch.cat(ks), torch.cat(vs)))
+        # Consecutive sequences from the same block are taken together (the scheduler keeps
+        # the running batch first and appends each prefill's sequences in order).
+        parts: list[_Block] = []
+        run_block: _Block | None = None
+        run_rows: list[int] = []
+        for s in seqs:
+            block, row = where[id(s)]
+            if block is not run_block and run_block is not None:
+                parts.append(run_block.take(run_rows))
+                run_rows = []
+            run_block = block
+            run_rows.append(row)
+        assert run_block is not None
+        parts.append(run_block.take(run_rows))
         for s in seqs:
             s.kv = None
-        self._cache = DynamicCache(layers)
+        block = _Block.concat(parts)
+        self._cache = DynamicCache(block.layers)
+        self._lens = list(block.lens)
         self._batch = list(seqs)
-        self._lens = torch.tensor(lens, dtype=torch.long)
-        self._width = width
 
 
 # ---------------------------------------------------------------------------------------------
@@ -340,6 +442,37 @@ def _load_model(path: str | Path, device: torch.device, dtype: torch.dtype) -> A
             "engine (full attention only); serve this model with SGLang"
         )
     return model
+
+
+# config.json fields that differ between two saves of the same architecture.
+_VOLATILE_CONFIG = frozenset(
+    {"_name_or_path", "name_or_path", "torch_dtype", "dtype", "transformers_version"}
+)
+
+
+def _same_model_tensors(
+    path: str | Path, model: Any, device: torch.device
+) -> dict[str, torch.Tensor] | None:
+    """The safetensors of ``path`` when its config is ``model``'s (up to volatile fields);
+    None when it is another architecture or has no safetensors files. Raises ``OSError`` /
+    ``ValueError`` for an unreadable folder."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    folder = Path(path)
+    new = AutoConfig.from_pretrained(str(folder)).to_dict()
+    old = model.config.to_dict()
+    if {k: v for k, v in new.items() if k not in _VOLATILE_CONFIG} != {
+        k: v for k, v in old.items() if k not in _VOLATILE_CONFIG
+    }:
+        return None
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return None
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors.update(load_file(str(file), device=str(device)))
+    return tensors
 
 
 def _shape_key(model: Any) -> tuple[Any, ...]:
@@ -505,11 +638,13 @@ class LocalEngine:
     async def generate(self, req: GenerateRequest) -> GenerateResponse:
         """Run ``req`` to completion. Raises ``InvalidRequestError`` for a bad request. If the
         caller is cancelled, the request is aborted in the engine."""
-        last: GenerateResponse | None = None
-        async for chunk in self.stream(req):
-            last = chunk
-        assert last is not None
-        return last
+        seq = self._submit(req, chunks=False)
+        try:
+            await seq.event.wait()  # set once, when the request finishes
+        finally:
+            if seq.finish is None:
+                self.abort(seq.rid, "client went away")
+        return self._snapshot(seq, req.return_logprob)
 
     def stream(self, req: GenerateRequest) -> AsyncIterator[GenerateResponse]:
         """Validate and enqueue ``req`` now (raising ``InvalidRequestError``), then iterate its
@@ -547,7 +682,27 @@ class LocalEngine:
         report the new ``weight_version``); abort them first if a clean boundary is needed.
         On failure (unreadable path, different architecture or shapes) nothing changes and
         ``success`` is False with the reason.
+
+        A folder of the loaded architecture (the same ``config.json`` but for names, dtype and
+        versions: a trainer's next weights) has its tensors copied into the loaded model as
+        :meth:`update_weights_from_tensors` does, with no new model built (a fresh
+        ``from_pretrained`` per training step costs more than the copy).
         """
+        try:
+            tensors = await asyncio.to_thread(
+                _same_model_tensors, model_path, self._worker.model, self.device
+            )
+        except Exception as exc:
+            return UpdateWeightsResponse(
+                success=False, message=f"failed to load {model_path}: {exc}"
+            )
+        if tensors is not None:
+            answer = await self.update_weights_from_tensors(tensors, weight_version)
+            if answer.success:
+                self.model_path = str(model_path)
+                return UpdateWeightsResponse(
+                    success=True, message=f"weights loaded from {model_path}"
+                )
         try:
             model = await asyncio.to_thread(_load_model, model_path, self.device, self.dtype)
         except Exception as exc:
@@ -625,7 +780,7 @@ class LocalEngine:
         if req.rid is not None and req.rid in self._active:
             raise InvalidRequestError(f"duplicate request id {req.rid!r} is already in flight")
 
-    def _submit(self, req: GenerateRequest) -> _Seq:
+    def _submit(self, req: GenerateRequest, *, chunks: bool = True) -> _Seq:
         if not self.health():
             raise RuntimeError("engine is not running (call start())")
         self.validate(req)
@@ -643,6 +798,7 @@ class LocalEngine:
             stop_ids=stop_ids,
             generator=gen,
             event=asyncio.Event(),
+            chunks=chunks,
             weight_version=self.weight_version,
         )
         self._active[seq.rid] = seq
@@ -691,6 +847,12 @@ class LocalEngine:
     def _finish(self, seq: _Seq, reason: FinishReason) -> None:
         if seq.finish is not None:
             return
+        if not seq.chunks and reason.type == "abort":
+            # Its text was never decoded along the way: what it generated so far.
+            full = self.tokenizer.decode(
+                seq.output_ids, skip_special_tokens=seq.params.skip_special_tokens
+            )
+            seq.text = _held_back(full, seq.params.stop or ())
         seq.finish = reason
         self._active.pop(seq.rid, None)
         with self._finished_lock:
@@ -745,10 +907,11 @@ class LocalEngine:
                 seq.output_ids.append(r.token)
                 seq.logprobs.append(r.logprob)
                 seq.top_logprobs.append(r.top)
-                seq.text = r.text
+                if r.text is not None:
+                    seq.text = r.text
                 seq.weight_version = version
                 if r.finish is not None:
                     self._finish(seq, r.finish)
-                else:
+                elif seq.chunks:
                     seq.event.set()
             self._running = [s for s in decode + prefill if s.finish is None]

@@ -182,12 +182,16 @@ async def _until_done_or_gone(
 
 
 def run_engine(
-    model_path: str | Path, host: str = "127.0.0.1", port: int = 30000, device: str = "cpu"
+    model_path: str | Path,
+    host: str = "127.0.0.1",
+    port: int = 30000,
+    device: str = "cpu",
+    max_batch_size: int = 64,
 ) -> None:
     """Load ``model_path`` and serve it until interrupted (blocking; used by ``corral engine``)."""
     import uvicorn
 
-    engine = LocalEngine(model_path, device=device)
+    engine = LocalEngine(model_path, device=device, max_batch_size=max_batch_size)
     from corral.serving import KEEP_ALIVE_S
 
     uvicorn.run(
