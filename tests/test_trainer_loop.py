@@ -338,3 +338,12 @@ def _processes_naming(text: str) -> list[int]:
         if text in cmdline and int(pid) != os.getpid():
             found.append(int(pid))
     return found
+
+
+def test_weights_go_through_disk_unless_the_engine_is_in_this_process() -> None:
+    """What the leader's weight sync and every follower's must agree on (under torchrun the
+    followers build theirs from the config alone)."""
+    assert TrainConfig().engine.weights_in_memory
+    spawned = TrainConfig.model_validate({"engine": {"processes": True}})
+    remote = TrainConfig.model_validate({"engine": {"url": "http://e", "gateway": "http://g"}})
+    assert not spawned.engine.weights_in_memory and not remote.engine.weights_in_memory

@@ -85,6 +85,12 @@ class EngineSettings(_Section):
             raise ValueError("[engine] processes starts the local engine; it does not go with url")
         return self
 
+    @property
+    def weights_in_memory(self) -> bool:
+        """Whether weights reach the engine in memory (the local engine in this process);
+        otherwise through ``<run>/weights`` on disk."""
+        return self.url is None and not self.processes
+
 
 class RolloutSettings(_Section):
     """A step's data: ``groups_per_step`` rows kept after the group filter, each played

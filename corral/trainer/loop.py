@@ -180,7 +180,7 @@ class Trainer:
             sync = self.services.weight_sync
         else:
             sync = FollowerWeightSync(
-                in_memory=cfg.engine.url is None, out_dir=cfg.run_dir / "weights"
+                in_memory=cfg.engine.weights_in_memory, out_dir=cfg.run_dir / "weights"
             )
         reference = None
         if cfg.loss.kl_coef > 0:
