@@ -194,9 +194,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from rich.console import Console
     from rich.progress import Progress
-    from rich.table import Table
 
-    from corral.adapters.evals import eval_rows, write_eval
+    from corral.adapters.evals import eval_rows, report_table, write_eval
     from corral.adapters.player import PlayerError
 
     rows = read_rows(Path(args.rows), args.split or None, args.limit)
@@ -224,19 +223,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
             return 1
     out = Path(args.out)
     write_eval(report, out)
-    table = Table(title=f"eval of {args.rows} ({args.split or 'all splits'}, n={args.n})")
-    for col in ("group", "episodes", "mean ± se", "graded 0", "failed"):
-        table.add_column(col)
-    named = [(f"{report.group_by} = {g}", s) for g, s in report.groups.items()]
-    for name, stats in [*named, ("all", report.overall)]:
-        table.add_row(
-            name,
-            str(stats.episodes),
-            "-" if stats.mean is None else f"{stats.mean:.3f} ± {stats.se or 0.0:.3f}",
-            "-" if stats.zero_share is None else f"{stats.zero_share:.0%}",
-            str(stats.failed),
-        )
-    console.print(table)
+    title = f"eval of {args.rows} ({args.split or 'all splits'}, n={args.n})"
+    console.print(report_table(report, title))
     console.print(f"mean reward {report.overall.line()}; episodes in {out / 'episodes.jsonl'}")
     return 0
 

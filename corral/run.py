@@ -244,7 +244,7 @@ def run_policy_stage(out: Path, policy: Path, days: int, console: Console) -> Ev
     ``out/rows``, their env server running) through its own local engine and gateway on this
     machine's CPU, greedily, with the player: the whole rollout path with a model that solves
     the task. Writes ``out/policy-eval`` (summary and episodes)."""
-    from corral.adapters.evals import eval_rows, write_eval
+    from corral.adapters.evals import eval_rows, report_table, write_eval
     from corral.adapters.rows import read_rows
 
     rows = read_rows(out / "rows" / "eval.jsonl")[:days]
@@ -254,17 +254,8 @@ def run_policy_stage(out: Path, policy: Path, days: int, console: Console) -> Ev
             eval_rows(rows, urls.gateway, concurrency=len(rows), sampling={"temperature": 0.0})
         )
     write_eval(report, out / "policy-eval")
-    table = Table(title=f"the trained policy on {len(rows)} gridsim eval days (idle grades 0.2)")
-    for col in ("days", "mean grade", "graded 0", "failed"):
-        table.add_column(col)
-    named = [("all", report.overall), *sorted(report.groups.items())]
-    for name, stats in named:
-        label = name if name == "all" else f"{report.group_by} = {name}"
-        se = f" ± {stats.se:.3f}" if stats.se is not None else ""
-        mean = f"{stats.mean:.3f}{se}" if stats.mean is not None else "-"
-        zero = f"{stats.zero_share:.0%}" if stats.zero_share is not None else "-"
-        table.add_row(f"{label}: {stats.episodes}", mean, zero, str(stats.failed))
-    console.print(table)
+    title = f"the trained policy on {len(rows)} gridsim eval days (idle grades 0.2)"
+    console.print(report_table(report, title))
     console.print(f"episodes in {out / 'policy-eval'}")
     return report
 

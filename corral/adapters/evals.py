@@ -18,7 +18,7 @@ import statistics
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from pydantic import BaseModel
@@ -26,6 +26,9 @@ from pydantic import BaseModel
 from corral.adapters.gateway_admin import GatewayAdmin
 from corral.adapters.player import Player, Rollout
 from corral.adapters.rows import Row
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 
 class Stats(BaseModel):
@@ -184,6 +187,25 @@ def _group_order(item: tuple[str, Any]) -> tuple[int, float | str]:
         return (0, float(item[0]))  # numeric groups (battery sizes) in numeric order
     except ValueError:
         return (1, item[0])
+
+
+def report_table(report: EvalReport, title: str) -> Table:
+    """The report as a table to print: one row per group, then all episodes."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("group", "episodes", "mean ± se", "graded 0", "failed"):
+        table.add_column(col)
+    named = [(f"{report.group_by} = {g}", s) for g, s in report.groups.items()]
+    for name, stats in [*named, ("all", report.overall)]:
+        table.add_row(
+            name,
+            str(stats.episodes),
+            "-" if stats.mean is None else f"{stats.mean:.3f} ± {stats.se or 0.0:.3f}",
+            "-" if stats.zero_share is None else f"{stats.zero_share:.0%}",
+            str(stats.failed),
+        )
+    return table
 
 
 def write_eval(report: EvalReport, out: Path) -> None:
