@@ -33,8 +33,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bundles.gridsim.greedy import greedy_schedule  # noqa: E402
-from bundles.gridsim.market import Battery, scores  # noqa: E402
+from examples.gridsim_rl.report import baseline_days  # noqa: E402
 
 if TYPE_CHECKING:
     from corral.adapters.evals import EvalReport
@@ -67,7 +66,7 @@ def main() -> int:
     ):
         write_rows(env_url, Path(tmp), RowSettings(max_turns=4))
         rows = read_rows(Path(tmp) / "eval.jsonl")[: args.days]
-        greedy = _greedy_grades(bundle)
+        greedy = {day.task_id: day.greedy for day in baseline_days()}
         with local_stack(args.model, max_batch_size=in_flight) as urls:
             for temperature in args.temperature:
                 console.print(f"temperature {temperature}: {in_flight} episodes")
@@ -83,17 +82,6 @@ def main() -> int:
                 table.add_row(f"{temperature:g}", *_compare(report, greedy))
     console.print(table)
     return 0
-
-
-def _greedy_grades(bundle: Path) -> dict[str, float]:
-    """The greedy rule's grade on every eval day, by task id."""
-    from corral.envs.bundle import load_bundle
-
-    out = {}
-    for task in load_bundle(bundle).tasks("eval"):
-        prices, battery = task.data["prices"], Battery.from_data(task.data)
-        out[task.id] = scores(prices, greedy_schedule(prices, battery), battery)["grade"]
-    return out
 
 
 def _compare(report: EvalReport, greedy: dict[str, float]) -> list[str]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from .days import gridsim
 
@@ -37,20 +37,36 @@ def _stats(grades: list[float]) -> dict[str, Any]:
     }
 
 
-def baselines(limit: int | None = None) -> dict[str, dict[str, Any]]:
-    """``{"idle": ..., "greedy": ...}``, each ``{"overall": stats, "groups": {size: stats}}``
-    in the shape of corral's eval summaries, over the first ``limit`` eval days (all: None)."""
+class BaselineDay(NamedTuple):
+    """One eval day graded offline with the bundle's scores: the idle and greedy policies."""
+
+    task_id: str
+    size: str  # the battery's capacity, MWh
+    idle: float
+    greedy: float
+
+
+def baseline_days(limit: int | None = None) -> list[BaselineDay]:
+    """The first ``limit`` eval days (all: None), each with the idle and greedy grades."""
     from bundles.gridsim.greedy import greedy_schedule
     from bundles.gridsim.market import Battery, scores
 
-    by: dict[str, dict[str, list[float]]] = {"idle": defaultdict(list), "greedy": defaultdict(list)}
+    days = []
     for task in gridsim().tasks("eval")[:limit]:
         prices, battery = task.data["prices"], Battery.from_data(task.data)
-        size = str(battery.capacity_mwh)
-        by["idle"][size].append(scores(prices, [0] * len(prices), battery)["grade"])
-        by["greedy"][size].append(
-            scores(prices, greedy_schedule(prices, battery), battery)["grade"]
-        )
+        idle = scores(prices, [0] * len(prices), battery)["grade"]
+        greedy = scores(prices, greedy_schedule(prices, battery), battery)["grade"]
+        days.append(BaselineDay(task.id, str(battery.capacity_mwh), idle, greedy))
+    return days
+
+
+def baselines(days: list[BaselineDay]) -> dict[str, dict[str, Any]]:
+    """``{"idle": ..., "greedy": ...}`` over ``days``, each ``{"overall": stats, "groups":
+    {size: stats}}`` in the shape of corral's eval summaries."""
+    by: dict[str, dict[str, list[float]]] = {"idle": defaultdict(list), "greedy": defaultdict(list)}
+    for day in days:
+        by["idle"][day.size].append(day.idle)
+        by["greedy"][day.size].append(day.greedy)
     return {
         name: {
             "overall": _stats([g for v in groups.values() for g in v]),
@@ -61,14 +77,13 @@ def baselines(limit: int | None = None) -> dict[str, dict[str, Any]]:
 
 
 def paired_differences(
-    rl_dir: Path, first: int, last: int, limit: int | None = None
+    rl_dir: Path, first: int, last: int, days: list[BaselineDay]
 ) -> dict[str, dict[str, Any]]:
     """Per-day grade differences on the same eval days (the noise between days cancels):
     after RL minus the SFT start, after RL minus the greedy rule, the SFT start minus the
-    greedy rule; each with its mean, standard error and how many days were better, equal
-    (within 1e-9) or worse. Empty when an evaluation kept no episodes."""
-    from bundles.gridsim.greedy import greedy_schedule
-    from bundles.gridsim.market import Battery, scores
+    greedy rule (its grades from ``days``); each with its mean, standard error and how many
+    days were better, equal (within 1e-9) or worse. Empty when an evaluation kept no
+    episodes."""
 
     def grades(step: int) -> dict[str, float]:
         path = rl_dir / "evals" / f"step-{step:06d}" / "episodes.jsonl"
@@ -78,10 +93,7 @@ def paired_differences(
         return {e["task_id"]: float(e["reward"] or 0.0) for e in episodes}
 
     start, end = grades(first), grades(last)
-    greedy = {}
-    for task in gridsim().tasks("eval")[:limit]:
-        prices, battery = task.data["prices"], Battery.from_data(task.data)
-        greedy[task.id] = scores(prices, greedy_schedule(prices, battery), battery)["grade"]
+    greedy = {day.task_id: day.greedy for day in days}
     pairs = {
         "after RL - SFT start": (end, start),
         "after RL - greedy rule": (end, greedy),
@@ -89,10 +101,10 @@ def paired_differences(
     }
     out: dict[str, dict[str, Any]] = {}
     for name, (a, b) in pairs.items():
-        days = sorted(set(a) & set(b))
-        if not days:
+        shared = sorted(set(a) & set(b))
+        if not shared:
             continue
-        diffs = [a[d] - b[d] for d in days]
+        diffs = [a[d] - b[d] for d in shared]
         out[name] = {
             **_stats(diffs),
             "better": sum(x > 1e-9 for x in diffs),
@@ -158,7 +170,8 @@ def write_report(out: Path, rl_dir: Path, facts: dict[str, Any]) -> dict[str, An
     if not evals:
         raise ValueError(f"{rl_dir} has no evaluation yet")
     episodes = evals[min(evals)]["overall"]["episodes"]
-    base = baselines(limit=episodes)
+    days = baseline_days(limit=episodes)
+    base = baselines(days)
     first, last = min(evals), max(evals)
     policies = {
         "idle": base["idle"],
@@ -166,7 +179,7 @@ def write_report(out: Path, rl_dir: Path, facts: dict[str, Any]) -> dict[str, An
         f"SFT start (step {first})": evals[first],
         f"after RL (step {last})": evals[last],
     }
-    paired = paired_differences(rl_dir, first, last, limit=episodes)
+    paired = paired_differences(rl_dir, first, last, days)
     results = {
         "eval_days": episodes,
         "policies": policies,
