@@ -54,15 +54,20 @@ def task_rng(seed: int, split: str, index: int) -> random.Random:
     return random.Random(int.from_bytes(digest[:8], "big"))
 
 
-def make_task(split: str, index: int, seed: int = DEFAULT_SEED) -> dict[str, Any]:
-    """One task line (``id``, ``prompt``, ``data``); KeyError for an unknown split."""
-    date = SPLITS[split].date(index)
-    battery = Battery(
+def day_battery(index: int) -> Battery:
+    """The battery of a split's day ``index``: the sizes cycle with the index, starting empty."""
+    return Battery(
         capacity_mwh=CAPACITIES_MWH[index % len(CAPACITIES_MWH)],
         power_mw=POWER_MW,
         efficiency=EFFICIENCY,
         initial_soc_mwh=0,
     )
+
+
+def make_task(split: str, index: int, seed: int = DEFAULT_SEED) -> dict[str, Any]:
+    """One task line (``id``, ``prompt``, ``data``); KeyError for an unknown split."""
+    date = SPLITS[split].date(index)
+    battery = day_battery(index)
     prices = day_prices(task_rng(seed, split, index), date)
     return {
         "id": f"{split}-{index:04d}",

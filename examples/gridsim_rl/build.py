@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from corral.engines.chat_templates import QWEN25, QWEN25_COMPACT
+from corral.engines.tiny_model import MARKER_TOKENS, SPECIAL_TOKENS
 from corral.envs.episode import Task
 
 from .days import greedy, row_messages
@@ -37,15 +38,6 @@ from .settings import ModelSettings, TokenizerSettings
 # qwen25-compact leaves out the system turn: the system prompt and tool schemas, identical in
 # every gridsim row, are not rendered (a prompt is ~190 tokens instead of ~930).
 TEMPLATES = {"qwen25": QWEN25, "qwen25-compact": QWEN25_COMPACT}
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-MARKER_TOKENS = (
-    "<tool_call>",
-    "</tool_call>",
-    "<tool_response>",
-    "</tool_response>",
-    "<think>",
-    "</think>",
-)
 PRE_TOKENIZER_PATTERN = (
     r"'s|'t|'re|'ve|'m|'ll|'d"
     r"|\p{N}+:\p{N}+"  # hour labels

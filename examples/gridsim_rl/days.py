@@ -40,24 +40,11 @@ def gridsim() -> Bundle:
 def synthetic_task(index: int, seed: int, last_date: dt.date) -> Task:
     """Synthetic day ``index``: on ``last_date - index`` days, battery size cycling 1, 2, 4 MWh,
     prices from gridsim's price model seeded by ``(seed, "synthetic", index)``."""
-    from bundles.gridsim.generate import (
-        CAPACITIES_MWH,
-        EFFICIENCY,
-        POWER_MW,
-        render_prompt,
-        task_data,
-        task_rng,
-    )
-    from bundles.gridsim.market import Battery
+    from bundles.gridsim.generate import day_battery, render_prompt, task_data, task_rng
     from bundles.gridsim.prices import day_prices
 
     date = last_date - dt.timedelta(days=index)
-    battery = Battery(
-        capacity_mwh=CAPACITIES_MWH[index % len(CAPACITIES_MWH)],
-        power_mw=POWER_MW,
-        efficiency=EFFICIENCY,
-        initial_soc_mwh=0,
-    )
+    battery = day_battery(index)
     prices = day_prices(task_rng(seed, SYNTHETIC_SPLIT, index), date)
     return Task(
         id=f"{SYNTHETIC_SPLIT}-{index:05d}",
