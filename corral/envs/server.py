@@ -103,6 +103,10 @@ WS_PING_TIMEOUT = 20.0
 GRACEFUL_SHUTDOWN_S = 10
 
 
+# Episodes a server keeps alive at once unless told otherwise.
+DEFAULT_MAX_CONCURRENT_ENVS = 64
+
+
 class ServerError(Exception):
     """A request the server refuses: becomes an ``error`` reply with ``code`` and ``extra``."""
 
@@ -625,7 +629,7 @@ def env_host(
 def build_app(
     bundle: Bundle | Path | str,
     *,
-    max_concurrent_envs: int = 64,
+    max_concurrent_envs: int = DEFAULT_MAX_CONCURRENT_ENVS,
     token: str | None = None,
     reset_timeout: float = 600.0,
     idle_timeout: float = 600.0,

@@ -9,6 +9,7 @@ import math
 import os
 import sys
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,13 +78,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from corral.trainer.services import ServicesError
     from corral.trainer.weights import WeightSyncError
 
-    overrides = list(args.overrides)
-    if args.run_dir:
-        overrides.append(f"run_dir={_toml_string(args.run_dir)}")
+    overrides = _overrides(args, (("run_dir", "run_dir"), ("ray", "ray.address")))
     if args.steps is not None:
         overrides.append(f"schedule.steps={args.steps}")
-    if args.ray:
-        overrides.append(f"ray.address={_toml_string(args.ray)}")
     try:
         config = load_config(Path(args.config) if args.config else None, overrides)
     except ConfigError as exc:
@@ -182,6 +179,17 @@ def _summary(line: dict[str, Any]) -> str:
     )
 
 
+def _overrides(args: argparse.Namespace, flags: Sequence[tuple[str, str]]) -> list[str]:
+    """The ``--set`` overrides, then one per path or address flag given: ``(attribute, key)``
+    pairs, the value written as a TOML string."""
+    overrides = list(args.overrides)
+    for flag, key in flags:
+        value = getattr(args, flag)
+        if value:
+            overrides.append(f"{key}={_toml_string(value)}")
+    return overrides
+
+
 def _toml_string(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
@@ -193,11 +201,8 @@ def cmd_sft(args: argparse.Namespace) -> int:
     from corral.trainer.config import ConfigError, load_sft_config
     from corral.trainer.sft_run import run_sft
 
-    overrides = list(args.overrides)
-    for flag, key in (("data", "data"), ("eval_data", "eval_data"), ("model", "model.path"),
-                      ("run_dir", "run_dir")):  # fmt: skip
-        if getattr(args, flag):
-            overrides.append(f"{key}={_toml_string(getattr(args, flag))}")
+    overrides = _overrides(args, (("data", "data"), ("eval_data", "eval_data"),
+                                  ("model", "model.path"), ("run_dir", "run_dir")))  # fmt: skip
     try:
         config = load_sft_config(Path(args.config) if args.config else None, overrides)
     except ConfigError as exc:

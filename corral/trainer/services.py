@@ -43,11 +43,6 @@ def model_path(config: TrainConfig | SftConfig) -> Path:
     return cached_tiny_model()
 
 
-# The env server's own default capacity; a run with more rollouts in flight raises it (an
-# episode holds its slot while the model thinks, so a smaller cap throttles the whole step).
-_MIN_ENV_CAPACITY = 64
-
-
 def _gateway_host(on_ray: bool) -> str:
     """On Ray the rollout workers may run on other nodes: the gateway listens on this node's
     address, not on loopback."""
@@ -71,6 +66,7 @@ def _token(var: str | None, what: str) -> str | None:
 def run_services(config: TrainConfig) -> Iterator[Services]:
     """Start or find the run's services (module docstring). ServicesError for a missing token
     or a split without rows; the env server's and the engines' own errors propagate."""
+    from corral.envs.server import DEFAULT_MAX_CONCURRENT_ENVS, build_app
     from corral.processes import serve_in_process
     from corral.serving import serve_in_thread
     from corral.stack import local_stack
@@ -129,7 +125,9 @@ def run_services(config: TrainConfig) -> Iterator[Services]:
         env = config.env
         env_token = _token(env.token_var, "[env] token_var")
         env_urls: list[str] = []
-        capacity = max(_MIN_ENV_CAPACITY, config.rollout.concurrency)
+        # At least the server's default; more with more rollouts in flight (an episode holds
+        # its slot while the model thinks, so a smaller cap throttles the whole step).
+        capacity = max(DEFAULT_MAX_CONCURRENT_ENVS, config.rollout.concurrency)
         if env.url is not None:
             env_url = env.url
         elif env.processes:
@@ -156,8 +154,6 @@ def run_services(config: TrainConfig) -> Iterator[Services]:
             env_urls = [server.url for server in servers]
             env_url = env_urls[0]
         else:
-            from corral.envs.server import build_app
-
             app = build_app(
                 env.bundle,
                 token=env_token,
