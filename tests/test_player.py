@@ -258,3 +258,34 @@ async def test_a_gateway_lost_at_the_end_of_an_episode_flags_the_rollout(
     (sample,) = rollout.samples
     assert sample.metadata["failure"] == rollout.reason and sample.group_index == 3
     assert TrainRollout.from_player(rollout).flag == DROP_FAILED
+
+
+async def test_gateway_admin_errors_name_the_call_and_what_came_back() -> None:
+    """A refusal carries the gateway's message and status; an answer that is not JSON and a
+    gateway that is gone are GatewayAdminErrors too, never aiohttp's or json's exceptions."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, PlainTextResponse
+    from starlette.routing import Route
+
+    from corral.adapters.gateway_admin import GatewayAdminError
+    from corral.serving import free_port
+
+    async def refuse(_: Any) -> JSONResponse:
+        return JSONResponse({"error": {"message": "no such session"}}, status_code=404)
+
+    async def garble(_: Any) -> PlainTextResponse:
+        return PlainTextResponse("<html>proxy page</html>")
+
+    app = Starlette(routes=[Route("/sessions/gone/reward", refuse, methods=["POST"]),
+                            Route("/sessions", garble, methods=["POST"])])  # fmt: skip
+    with serve(app) as url:
+        async with GatewayAdmin(url, "secret") as admin:
+            with pytest.raises(GatewayAdminError, match="404 no such session") as refused:
+                await admin.set_reward("gone", 1.0)
+            assert refused.value.status == 404
+            with pytest.raises(GatewayAdminError, match="the answer is not JSON"):
+                await admin.open_session()
+    async with GatewayAdmin(f"http://127.0.0.1:{free_port()}") as admin:
+        with pytest.raises(GatewayAdminError, match="is unreachable") as gone:
+            await admin.samples("any")
+        assert gone.value.status is None
