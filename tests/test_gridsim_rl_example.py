@@ -1,10 +1,10 @@
 """examples/gridsim_rl end to end on CPU at its smoke size: every stage with real parts (corral's
 env server and row writer, the built tokenizer and model, corral's SFT run, corral's RL loop
 with the local engine, gateway and env server), then the outputs checked: the transcripts are
-the rows' prompts with the greedy rule's submission, rendered as the gateway renders them and
-read back by the gateway's tool-call parser; the tokenizer compresses gridsim text; synthetic
-days never are eval days; a second run skips what is done and an RL run with more steps
-resumes from its checkpoint."""
+the rows' prompts with the teacher's submission (the greedy rule's, edited on some days),
+rendered as the gateway renders them and read back by the gateway's tool-call parser; the
+tokenizer compresses gridsim text; synthetic days never are eval days; a second run skips what
+is done and an RL run with more steps resumes from its checkpoint."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from gridsim_rl.days import (  # noqa: E402
 )
 from gridsim_rl.run import STAGES, main  # noqa: E402
 from gridsim_rl.settings import DEFAULT_SETTINGS, load_settings  # noqa: E402
+from gridsim_rl.teacher import teacher_schedule  # noqa: E402
 
 from corral.adapters.rows import read_rows  # noqa: E402
 from corral.trainer.metrics import read_metrics  # noqa: E402
@@ -108,7 +109,7 @@ def test_every_stage_writes_its_outputs(smoke_run: Path) -> None:
 
 
 @pytest.mark.parametrize("template", ["built", "qwen25"])
-def test_transcripts_are_rows_with_the_greedy_submission_as_the_gateway_reads_it(
+def test_transcripts_are_rows_with_the_teachers_submission_as_the_gateway_reads_it(
     smoke_run: Path, template: str
 ) -> None:
     """The built tokenizer (the settings' compact template), and one trained here with corral's
@@ -132,6 +133,7 @@ def test_transcripts_are_rows_with_the_greedy_submission_as_the_gateway_reads_it
     days = settings.days
     tasks = [*gridsim().tasks("train")[: days.train_days], *synthetic_tasks(days)]
     assert len(transcripts) == len(tasks)
+    edited = 0
     for task, line in zip(tasks, transcripts, strict=True):
         if task.split == "train":  # the real rows: same prompt messages, same tools
             row = rows[task.id]
@@ -146,11 +148,17 @@ def test_transcripts_are_rows_with_the_greedy_submission_as_the_gateway_reads_it
         )
         assert not parsed.errors and parsed.content is None
         assert [c.name for c in parsed.tool_calls] == ["submit_schedule"]
-        assert json.loads(parsed.tool_calls[0].arguments) == {"schedule": greedy(task)}
+        teacher = teacher_schedule(task, days.edit_share, days.seed)
+        assert json.loads(parsed.tool_calls[0].arguments) == {"schedule": teacher.schedule}
+        assert (teacher.schedule != greedy(task)) == teacher.edited
+        edited += teacher.edited
         assert len(reply) < 60  # a submission is short: one token per hour and the wrapper
         prompt = tokenizer.decode(sample.tokens[: sample.loss_mask.index(1)])
         assert line["messages"][1]["content"] in prompt
         assert (line["messages"][0]["content"] in prompt) == (template == "qwen25")
+    summary = json.loads((out / "data/summary.json").read_text())
+    assert 0 < edited < len(tasks)
+    assert edited == summary["train"]["edited"] + summary["eval"]["edited"]
 
 
 def test_the_tokenizer_compresses_gridsim_text(smoke_run: Path) -> None:

@@ -149,7 +149,8 @@ async def test_a_run_trains_evaluates_checkpoints_and_resumes_exactly(
     b_final = _checkpoint(tmp_path / "b", 2)
     for name, tensor in final.items():
         torch.testing.assert_close(b_final[name], tensor, rtol=1e-4, atol=1e-6)
-    assert [line["step"] for line in read_metrics(tmp_path / "b")] == [0, 1, 2, 2]
+    # The stopped run's last evaluation (step 1) stays in the file; each step's lines once.
+    assert [line["step"] for line in read_metrics(tmp_path / "b")] == [0, 1, 1, 2, 2]
 
 
 async def test_overlap_plays_the_next_steps_rollouts_while_training(
@@ -225,9 +226,17 @@ def test_metrics_files_and_the_plot(tmp_path: Path) -> None:
             out.write({"step": step, "reward/mean": 0.1 * step, "kl": math.nan,
                        "time/generation": 1.0, "time/training": 2.0, "time/weight_sync": 0.1,
                        "dropped/failed_rollout": step - 1})  # fmt: skip
-    # A resumed run from step 1 drops what a crash left beyond it.
-    MetricsWriter(tmp_path, tensorboard=False, resume_step=1).close()
-    assert [line["step"] for line in read_metrics(tmp_path)] == [0, 1]
+    # A resumed run from step 1 drops what a crash left beyond it and knows what was evaluated.
+    with MetricsWriter(tmp_path, tensorboard=False, resume_step=1) as resumed:
+        assert resumed.evaluated(0) and not resumed.evaluated(1)
+        resumed.write({"step": 1, "kind": "eval", "eval/reward/mean": 0.3})
+        assert resumed.evaluated(1)
+    with MetricsWriter(tmp_path, tensorboard=False, resume_step=1) as again:
+        assert again.evaluated(1)  # kept: the resumed step's eval is not lost
+    assert [line["step"] for line in read_metrics(tmp_path)] == [0, 1, 1]
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps(line) + "\n" for line in read_metrics(tmp_path)[:2])
+    )
     png = plot_run(tmp_path)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     with (tmp_path / "metrics.jsonl").open("a") as f:
@@ -280,6 +289,11 @@ async def test_a_time_limit_ends_the_run_like_its_last_step_and_a_rerun_goes_on(
         "step-000001",
         "step-000003",
     ]
+    # The file keeps the evaluation of the step the rerun resumed from (not due again, so a
+    # rerun that dropped it would lose it).
+    assert [(m["step"], m.get("kind", "step")) for m in read_metrics(tmp_path / "run")] == [
+        (0, "eval"), (1, "step"), (1, "eval"), (2, "step"), (3, "step"), (3, "eval"),
+    ]  # fmt: skip
 
 
 def test_corral_train_can_run_its_services_as_child_processes(

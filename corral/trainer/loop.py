@@ -237,7 +237,8 @@ class Trainer:
                 clock = _Budget(cfg.schedule.time_limit)
                 try:
                     while step < cfg.schedule.steps:
-                        if evaluating and step % cfg.schedule.eval_every == 0:
+                        due = evaluating and step % cfg.schedule.eval_every == 0
+                        if due and not out.evaluated(step):
                             await self._evaluate(eval_player, step, version, out)
                         fill = pending or self._start_fill(draw, sampler)
                         pending = None
@@ -300,8 +301,7 @@ class Trainer:
                 finally:
                     if pending is not None:  # an error ended the run while a fill was running
                         pending.task.cancel()
-                last = self.lines[-1] if self.lines else {}
-                if evaluating and last.get("kind") != "eval":
+                if evaluating and not out.evaluated(step):
                     await self._evaluate(eval_player, step, version, out)
         return self.lines
 

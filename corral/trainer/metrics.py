@@ -82,19 +82,17 @@ class MetricsWriter:
     """Appends lines to ``<run_dir>/metrics.jsonl`` (flushed per line, so a crash loses at
     most the line being written) and, with ``tensorboard``, writes every numeric value as a
     scalar under ``<run_dir>/tensorboard``. A resumed run keeps appending; lines of steps
-    beyond the checkpoint that a crash left are dropped first, so each step appears once."""
+    beyond the checkpoint that a crash left are dropped first, so each step appears once.
+    :meth:`evaluated` says whether a step's eval line exists (kept or written), so a resumed
+    run neither repeats nor loses the evaluation of the step it resumes from."""
 
     def __init__(self, run_dir: Path, *, tensorboard: bool = True, resume_step: int = 0) -> None:
         self.path = run_dir / METRICS_FILE
         run_dir.mkdir(parents=True, exist_ok=True)
+        self._evaluated: set[int] = set()
         if self.path.exists():
             kept = [line for line in read_metrics(self.path) if line["step"] <= resume_step]
-            # The eval line of the resumed step is written again by the resumed run.
-            kept = [
-                line
-                for line in kept
-                if not (line["step"] == resume_step and line.get("kind") == "eval")
-            ]
+            self._evaluated = {int(line["step"]) for line in kept if line.get("kind") == "eval"}
             self.path.write_text("".join(json.dumps(line) + "\n" for line in kept))
         self._file = self.path.open("a")
         self._tb: Any = None
@@ -109,12 +107,18 @@ class MetricsWriter:
         clean = {k: None if _nonfinite(v) else v for k, v in line.items()}
         self._file.write(json.dumps(clean, allow_nan=False) + "\n")
         self._file.flush()
+        if line.get("kind") == "eval":
+            self._evaluated.add(int(line["step"]))
         if self._tb is not None:
             step = int(line["step"])
             for key, value in line.items():
                 if key != "step" and isinstance(value, int | float) and math.isfinite(value):
                     self._tb.add_scalar(key, value, step)
             self._tb.flush()
+
+    def evaluated(self, step: int) -> bool:
+        """Whether the file holds an eval line of ``step``."""
+        return step in self._evaluated
 
     def close(self) -> None:
         self._file.close()

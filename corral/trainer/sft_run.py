@@ -103,7 +103,7 @@ def run_sft(
                        "eval/accuracy": result["accuracy"]})  # fmt: skip
 
         with MetricsWriter(config.run_dir, tensorboard=config.tensorboard, resume_step=step) as out:
-            if evals and step == 0:
+            if evals and step == 0 and not out.evaluated(0):
                 evaluate(out)
             while step < total:
                 batch = sampler.take(config.batch_size)
@@ -127,7 +127,7 @@ def run_sft(
                     )
                 if evals and config.eval_every and step % config.eval_every == 0:
                     evaluate(out)
-            if evals and (not lines or lines[-1].get("kind") != "eval"):
+            if evals and not out.evaluated(step):
                 evaluate(out)
         save_hf_checkpoint(model, spec, config.run_dir / "model", tokenizer_from=path)
     finally:

@@ -32,7 +32,7 @@ from corral.engines.chat_templates import QWEN25, QWEN25_COMPACT
 from corral.engines.tiny_model import MARKER_TOKENS, SPECIAL_TOKENS
 from corral.envs.episode import Task
 
-from .days import greedy, row_messages
+from .days import row_messages
 from .settings import ModelSettings, TokenizerSettings
 
 # qwen25-compact leaves out the system turn: the system prompt and tool schemas, identical in
@@ -66,9 +66,9 @@ def submission_call(schedule: Sequence[int]) -> dict[str, Any]:
     }
 
 
-def conversation(task: Task) -> list[dict[str, Any]]:
-    """The row's messages of ``task`` and the greedy rule's submission as the reply."""
-    reply = {"role": "assistant", "content": None, "tool_calls": [submission_call(greedy(task))]}
+def conversation(task: Task, schedule: Sequence[int]) -> list[dict[str, Any]]:
+    """The row's messages of ``task`` and the submission of ``schedule`` as the reply."""
+    reply = {"role": "assistant", "content": None, "tool_calls": [submission_call(schedule)]}
     return [*row_messages(task), reply]
 
 

@@ -8,8 +8,10 @@ so a run that stopped resumes where it stopped:
 
 1. ``data`` (``DIR/data``): the bundle served by corral's env server and its rows written by
    corral's row writer (``DIR/rows``); synthetic days checked disjoint from the eval days; one
-   chat transcript per warm-start day (the greedy rule's submission, checked through the env
-   and verifier): ``train.jsonl``, ``eval.jsonl`` (held-out synthetic days), ``summary.json``.
+   chat transcript per warm-start day (the teacher's submission: the greedy rule's schedule,
+   with a random feasible edit of one or two hours on ``days.edit_share`` of the days, checked
+   through the env and verifier): ``train.jsonl``, ``eval.jsonl`` (held-out synthetic days),
+   ``summary.json``.
 2. ``model`` (``DIR/base_model``): a BPE tokenizer trained on the transcripts' text with a
    ChatML tool-calling template (corral's Qwen 2.5 one, or it without the system turn), and a
    random Qwen3 model, saved in bfloat16; ``build.json``.
@@ -153,10 +155,12 @@ class Pipeline:
         train = [*gridsim().tasks("train")[: days.train_days], *synthetic[:cut]]
         held_out = synthetic[cut:]
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        train_stats = write_transcripts(self.data_dir / "train.jsonl", train, tools)
-        eval_stats = (
-            write_transcripts(self.data_dir / "eval.jsonl", held_out, tools) if held_out else None
-        )
+
+        def write(name: str, tasks: list[Any]) -> dict[str, Any]:
+            return write_transcripts(self.data_dir / name, tasks, tools, days.edit_share, days.seed)
+
+        train_stats = write("train.jsonl", train)
+        eval_stats = write("eval.jsonl", held_out) if held_out else None
         summary = {
             "train_days": days.train_days,
             "synthetic_days": len(synthetic),
@@ -164,6 +168,7 @@ class Pipeline:
             if synthetic
             else None,
             "synthetic_seed": days.seed,
+            "edit_share": days.edit_share,
             "held_out_days": len(held_out),
             "train": train_stats,
             "eval": eval_stats,
@@ -172,8 +177,10 @@ class Pipeline:
         (self.data_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         self.console.print(
             f"{train_stats['conversations']} training transcripts ({days.train_days} train days, "
-            f"{cut} synthetic), {len(held_out)} held out; greedy mean grade "
-            f"{train_stats['mean_grade']:.3f}"
+            f"{cut} synthetic), {len(held_out)} held out; mean grade "
+            f"{train_stats['mean_grade']:.3f} (the greedy rule's "
+            f"{train_stats['greedy_mean_grade']:.3f}); {train_stats['edited']} edited, "
+            f"{train_stats['edited_better']} of them better than the rule"
         )
 
     def stage_model(self) -> None:
@@ -302,7 +309,14 @@ class Pipeline:
             f"({summary['held_out_days']} of them held out), dates "
             f"{summary['synthetic_dates']}, seed {summary['synthetic_seed']}"
         )
-        facts["greedy grade on the SFT data"] = round(summary["train"]["mean_grade"], 4)
+        train = summary["train"]
+        facts["grade of the SFT data"] = round(train["mean_grade"], 4)
+        facts["greedy grade on the SFT days"] = round(train["greedy_mean_grade"], 4)
+        facts["edited SFT days"] = (
+            f"{train['edited']} of {train['conversations']} (edit_share "
+            f"{summary['edit_share']}): {train['edited_better']} beat the rule, "
+            f"{train['edited_graded_0']} grade 0"
+        )
         facts["model"] = (
             f"Qwen3 {build['model']['num_hidden_layers']} layers x {build['model']['hidden_size']}"
             f", {build['parameters']:,} parameters, vocab {build['vocab_size']}"

@@ -53,6 +53,9 @@ class DaysSettings(_Section):
     seed: int
     last_date: dt.date
     held_out: int = Field(ge=0)
+    # The share of days whose transcript submits a random feasible edit of the rule's schedule
+    # (teacher.py); 0: the greedy rule on every day.
+    edit_share: float = Field(default=0.0, ge=0.0, le=1.0)
 
 
 class TokenizerSettings(_Section):

@@ -1,4 +1,7 @@
-"""Stage 1: the warm-start data, chat fine-tuning JSONL of the greedy rule solving days.
+"""Stage 1: the warm-start data, chat fine-tuning JSONL of the teacher solving days.
+
+The teacher (:mod:`.teacher`) is the greedy rule, whose schedule is submitted with one or two
+hours changed at random on a share of the days (the exploration the warm start gives RL).
 
 One line per day (:mod:`corral.trainer.sft`'s shape)::
 
@@ -11,7 +14,7 @@ One line per day (:mod:`corral.trainer.sft`'s shape)::
 against the rows corral's row writer wrote from the served bundle), so the SFT prompt tokens are
 the RL prompt tokens. :func:`write_transcripts` checks every line as it writes it: its
 submission, read back from the JSON, is played through the bundle's env and verifier and must
-be valid and grade as the greedy rule does.
+be valid and grade as the teacher's schedule does (the greedy rule's, where not edited).
 """
 
 from __future__ import annotations
@@ -25,38 +28,51 @@ from typing import Any
 from corral.envs.episode import Task
 
 from .build import conversation
+from .teacher import teacher_schedule
 
 
-def transcript(task: Task, tools: list[dict[str, Any]]) -> dict[str, Any]:
-    """The JSONL object of ``task`` (module docstring)."""
-    return {"messages": conversation(task), "tools": tools}
+def transcript(task: Task, tools: list[dict[str, Any]], schedule: Sequence[int]) -> dict[str, Any]:
+    """The JSONL object of ``task`` submitting ``schedule`` (module docstring)."""
+    return {"messages": conversation(task, schedule), "tools": tools}
 
 
 def write_transcripts(
-    path: Path, tasks: Sequence[Task], tools: list[dict[str, Any]]
+    path: Path, tasks: Sequence[Task], tools: list[dict[str, Any]], edit_share: float, seed: int
 ) -> dict[str, Any]:
-    """Write one line per task to ``path`` (atomically: a temporary file renamed into place)
-    and return ``{"conversations", "mean_grade", "by_size"}`` (the greedy rule's mean grade per
-    battery size). ValueError when a submission is refused, invalid or grades otherwise than
-    the greedy rule's schedule does."""
+    """Write one line per task to ``path`` (atomically: a temporary file renamed into place),
+    the teacher's schedule (:func:`.teacher.teacher_schedule` with ``edit_share`` and ``seed``)
+    as the reply, and return ``{"conversations", "mean_grade", "by_size", "greedy_mean_grade",
+    "edited", "edited_mean_grade", "edited_better", "edited_graded_0"}``: the data's mean grade
+    (per battery size), the greedy rule's on the same days, and the edited days' count, mean
+    grade and how many of them beat the rule or grade 0. ValueError when a submission is
+    refused, invalid or grades otherwise than the teacher's schedule does."""
     from bundles.gridsim.market import Battery, scores
 
     from .days import greedy, play_submission
 
     grades: dict[int, list[float]] = {}
+    rule_grades: list[float] = []
+    edited: list[tuple[float, float]] = []
     scratch = path.with_name(path.name + ".partial")
     path.parent.mkdir(parents=True, exist_ok=True)
     with scratch.open("w") as f:
         for task in tasks:
-            line = json.dumps(transcript(task, tools), ensure_ascii=False)
+            teacher = teacher_schedule(task, edit_share, seed)
+            line = json.dumps(transcript(task, tools, teacher.schedule), ensure_ascii=False)
             written = json.loads(line)
             call = written["messages"][-1]["tool_calls"][0]["function"]
             reward, got = play_submission(task, json.loads(call["arguments"]))
             prices, battery = task.data["prices"], Battery.from_data(task.data)
-            rule = scores(prices, greedy(task), battery)
-            if got["valid"] != 1.0 or got != rule or reward != rule["grade"]:
-                raise ValueError(f"{task.id}: the transcript grades {got}, the greedy rule {rule}")
+            meant = scores(prices, teacher.schedule, battery)
+            if got["valid"] != 1.0 or got != meant or reward != meant["grade"]:
+                raise ValueError(f"{task.id}: the transcript grades {got}, its schedule {meant}")
+            rule = scores(prices, greedy(task), battery)["grade"]
+            if teacher.edited:
+                edited.append((reward, rule))
+            elif reward != rule:
+                raise ValueError(f"{task.id}: an unedited transcript grades {reward}, not {rule}")
             grades.setdefault(battery.capacity_mwh, []).append(reward)
+            rule_grades.append(rule)
             f.write(line + "\n")
     scratch.rename(path)
     every = [g for size in grades.values() for g in size]
@@ -64,6 +80,11 @@ def write_transcripts(
         "conversations": len(every),
         "mean_grade": statistics.fmean(every) if every else None,
         "by_size": {str(k): statistics.fmean(v) for k, v in sorted(grades.items())},
+        "greedy_mean_grade": statistics.fmean(rule_grades) if rule_grades else None,
+        "edited": len(edited),
+        "edited_mean_grade": statistics.fmean(g for g, _ in edited) if edited else None,
+        "edited_better": sum(g > r for g, r in edited),
+        "edited_graded_0": sum(g == 0.0 for g, _ in edited),
     }
 
 
