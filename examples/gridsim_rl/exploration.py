@@ -10,11 +10,16 @@ grade is compared with the greedy rule's on its day. What GRPO can learn from is
 that beat the rule: if they occur on few days, more steps will not lift the policy above the
 rule (the README's "Why it stops under the greedy rule").
 
-Measured with the step-154 policy on the 2-core development machine (2026-11-30), 48 days x
-16 samples: at temperature 1.0, 5.9% of the samples beat the rule, 0% graded 0; at 1.5, 5.3%
-and 10.4%; at 2.0, 0.9% and 80.1%; at every temperature the better samples fall on the same 3
-days of the 48. On all 48 days the optimum charges more than one battery-full and differs from
-the rule's schedule in 2 or more hours (median 4).
+Measured on the 2-core development machine (2026-11-30), 48 days x 16 samples:
+
+- the first H200 run's step-154 policy (a warm start on the greedy rule alone): at temperature
+  1.0, 5.9% of the samples beat the rule, 0% graded 0; at 1.5, 5.3% and 10.4%; at 2.0, 0.9% and
+  80.1%; at every temperature the better samples fall on the same 3 days of the 48. On all 48
+  days the optimum charges more than one battery-full and differs from the rule's schedule in 2
+  or more hours (median 4).
+- the second run's SFT start (the teacher's price-blind edits on 40% of the days, teacher.py):
+  at 1.0, 9.0% better (on 25 of the 48 days), 12.1% graded 0; at 1.2, 8.1% (24 days) and 24.1%;
+  at 1.5, 5.3% (18 days) and 51.6%. RL from there beat the rule (README).
 """
 
 from __future__ import annotations
