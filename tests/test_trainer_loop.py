@@ -99,13 +99,15 @@ async def test_a_run_trains_evaluates_checkpoints_and_resumes_exactly(
     with serve(build_app(bundle)) as url:
         rows = await _rows(tmp_path, url)
         services = _services(stack, rows, tiny_model_dir)
-        straight = await _train(_config(tmp_path / "a"), services)
+        # A decaying learning rate: the resumed run must continue the schedule.
+        linear = {"lr_decay_style": "linear"}
+        straight = await _train(_config(tmp_path / "a", optim=linear), services)
         assert await _engine_version(stack) == "step-2"
 
         # The same run, stopped after one step and resumed (weights pushed through disk now).
         disk = _services(stack, rows, tiny_model_dir, disk=tmp_path / "weights")
-        first = await _train(_config(tmp_path / "b", schedule={"steps": 1}), disk)
-        resumed = await _train(_config(tmp_path / "b"), disk)
+        first = await _train(_config(tmp_path / "b", schedule={"steps": 1}, optim=linear), disk)
+        resumed = await _train(_config(tmp_path / "b", optim=linear), disk)
         assert await _engine_version(stack) == "step-2"
 
     kinds = [(line["step"], line.get("kind", "step")) for line in straight]
@@ -142,8 +144,9 @@ async def test_a_run_trains_evaluates_checkpoints_and_resumes_exactly(
         (2, "eval"),
     ]
     a2, b2 = straight[2], resumed[0]
-    for key in ("reward/mean", "tokens", "trained_tokens", "samples", "rollouts"):
+    for key in ("reward/mean", "tokens", "trained_tokens", "samples", "rollouts", "lr"):
         assert a2[key] == b2[key], key
+    assert [straight[1]["lr"], a2["lr"]] == pytest.approx([1e-3, 5e-4])  # linear over 2 steps
     for key in ("loss", "pg_loss", "entropy", "grad_norm", "tis_weight"):
         assert b2[key] == pytest.approx(a2[key], rel=1e-4, abs=1e-6), key
     b_final = _checkpoint(tmp_path / "b", 2)

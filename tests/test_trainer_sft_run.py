@@ -67,6 +67,20 @@ def test_sft_trains_resumes_and_writes_a_model(tiny_model_dir: Path, tmp_path: P
     assert (run / "model" / "tokenizer.json").is_file()
 
 
+def test_sft_follows_the_learning_rate_schedule(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from corral.trainer.config import OptimSettings
+    from corral.trainer.step import scheduled_lr
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(_conversation(c, i)) + "\n" for i, c in enumerate(CITIES)))
+    sets = ['optim.lr_decay_style="cosine"', "optim.lr_warmup_steps=1", "optim.min_lr=3e-4"]
+    assert main(_args(data, tmp_path / "run", tiny_model_dir, "epochs=2", *sets)) == 0
+    rates = [m["lr"] for m in read_metrics(tmp_path / "run") if m.get("kind") != "eval"]
+    optim = OptimSettings(lr=3e-3, lr_decay_style="cosine", lr_warmup_steps=1, min_lr=3e-4)
+    assert rates == pytest.approx([scheduled_lr(optim, step, 4) for step in range(4)])
+    assert rates[0] == rates[1] == pytest.approx(3e-3) and rates[3] < rates[2] < rates[1]
+
+
 def test_sft_refuses_bad_data_with_the_line(tiny_model_dir: Path, tmp_path: Path) -> None:
     data = tmp_path / "bad.jsonl"
     data.write_text(json.dumps(_conversation("Oslo", 0)) + "\n{not json\n")

@@ -5,6 +5,7 @@ policy update of the megatron-core model, and the new weights pushed to the engi
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -79,3 +80,31 @@ async def test_one_rl_step_changes_the_weights_and_the_engine_serves_them(
     async with httpx.AsyncClient() as http:
         info = (await http.get(f"{stack.engine}/get_model_info")).json()
     assert info["weight_version"] == "step-1"
+
+
+def test_the_learning_rate_schedule_warms_up_then_decays_to_min_lr() -> None:
+    from pydantic import ValidationError
+
+    from corral.trainer.config import OptimSettings
+    from corral.trainer.step import scheduled_lr
+
+    constant = OptimSettings(lr=1e-3)
+    assert [scheduled_lr(constant, s, 10) for s in (0, 5, 9, 20)] == [1e-3] * 4
+    warm = OptimSettings(lr=1e-3, lr_warmup_steps=4, lr_decay_style="linear", min_lr=1e-4)
+    rates = [scheduled_lr(warm, s, 10) for s in range(10)]
+    assert rates[:4] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])
+    assert rates[4] == pytest.approx(1e-3)  # the decay starts at lr ...
+    assert rates[9] == pytest.approx(1e-4 + 9e-4 / 6)  # ... and ends one step short of min_lr
+    assert all(a > b for a, b in itertools.pairwise(rates[4:]))
+    cosine = OptimSettings(lr=1e-3, lr_decay_style="cosine")
+    assert scheduled_lr(cosine, 5, 10) == pytest.approx(5e-4)  # halfway: half of lr
+    assert scheduled_lr(cosine, 12, 10) == 0.0  # past the end: min_lr
+    # Cosine stays above linear over the first half of the decay.
+    linear = OptimSettings(lr=1e-3, lr_decay_style="linear")
+    assert scheduled_lr(cosine, 2, 10) > scheduled_lr(linear, 2, 10)
+    with pytest.raises(ValueError, match="negative"):
+        scheduled_lr(constant, -1, 10)
+    with pytest.raises(ValidationError, match="min_lr"):
+        OptimSettings(lr=1e-4, min_lr=1e-3)
+    with pytest.raises(ValidationError):
+        OptimSettings(lr_decay_style="exponential")  # type: ignore[arg-type]

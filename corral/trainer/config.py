@@ -113,12 +113,27 @@ class RolloutSettings(_Section):
 
 
 class OptimSettings(_Section):
+    """AdamW and its learning-rate schedule over the run's updates (RL: ``schedule.steps``;
+    SFT: ``epochs`` over the data): ``lr_warmup_steps`` rising linearly to ``lr``, then
+    ``lr_decay_style`` from ``lr`` towards ``min_lr`` (``constant`` keeps ``lr``), as
+    Megatron's ``--lr-decay-style`` / ``--lr-warmup-iters`` / ``--min-lr``. The rate is a
+    function of the step, so a resumed run continues the same schedule."""
+
     lr: float = Field(default=1e-5, gt=0)
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    lr_warmup_steps: int = Field(default=0, ge=0)
+    min_lr: float = Field(default=0.0, ge=0)
     weight_decay: float = Field(default=0.0, ge=0)
     beta1: float = Field(default=0.9, ge=0, lt=1)
     beta2: float = Field(default=0.999, ge=0, lt=1)
     max_grad_norm: float | None = Field(default=1.0, gt=0)
     max_tokens_per_micro_batch: int = Field(default=8192, ge=1)
+
+    @model_validator(mode="after")
+    def _valid(self) -> OptimSettings:
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr ({self.min_lr:g}) must not exceed lr ({self.lr:g})")
+        return self
 
 
 class LossSettings(_Section):

@@ -65,7 +65,7 @@ from corral.trainer.groups import (
 )
 from corral.trainer.metrics import MetricsWriter, peak_memory_gb, reset_peak_memory
 from corral.trainer.rollouts import GroupDraw, RowSampler
-from corral.trainer.step import UpdateSettings, adamw, policy_update
+from corral.trainer.step import UpdateSettings, adamw, policy_update, scheduled_lr, set_lr
 from corral.trainer.weights import FollowerWeightSync, WeightSync
 
 if TYPE_CHECKING:
@@ -255,7 +255,9 @@ class Trainer:
                             pending = self._start_fill(draw, sampler)
                         reset_peak_memory(cfg.model.device)
                         began = time.monotonic()
-                        update = await crew.command(_Command("train", groups=filled.groups))
+                        update = await crew.command(
+                            _Command("train", groups=filled.groups, step=step)
+                        )
                         training_s = time.monotonic() - began
                         step += 1
                         version = f"step-{step}"
@@ -398,6 +400,7 @@ class _Command:
     kind: Literal["resume", "push", "train", "checkpoint", "stop"]
     version: str = ""
     groups: Sequence[Group] = ()
+    step: int = 0  # train: the steps done before this one (the learning-rate schedule's place)
     state: TrainerState | None = None
 
 
@@ -473,6 +476,7 @@ class _Crew:
             await self.sync.push(self.model, self.spec, command.version)
             return None
         if command.kind == "train":
+            set_lr(self.optimizer, scheduled_lr(cfg.optim, command.step, cfg.schedule.steps))
             return await asyncio.to_thread(
                 partial(policy_update, reference=self.reference),
                 self.model,

@@ -30,7 +30,7 @@ from corral.trainer.checkpoint import (
 from corral.trainer.config import SftConfig
 from corral.trainer.metrics import MetricsWriter, peak_memory_gb, reset_peak_memory
 from corral.trainer.rollouts import RowSampler
-from corral.trainer.step import adamw
+from corral.trainer.step import adamw, scheduled_lr, set_lr
 
 
 def run_sft(
@@ -109,6 +109,7 @@ def run_sft(
                 batch = sampler.take(config.batch_size)
                 reset_peak_memory(device)
                 began = time.monotonic()
+                set_lr(optimizer, scheduled_lr(config.optim, step, total))
                 result = sft_update(model, optimizer, batch, settings)
                 step += 1
                 emit(out, {

@@ -45,6 +45,31 @@ def adamw(params: Any, optim: OptimSettings) -> torch.optim.AdamW:
     )
 
 
+def scheduled_lr(optim: OptimSettings, step: int, total: int) -> float:
+    """The learning rate of update number ``step`` (0 for the first) of ``total`` under
+    ``optim``'s schedule (see :class:`~corral.trainer.config.OptimSettings`). Warmup reaches
+    ``lr`` at its last step; the decay then runs over the remaining steps, starting at ``lr``
+    and ending one step short of ``min_lr``. ValueError for a negative step or total."""
+    if step < 0 or total < 0:
+        raise ValueError(f"step ({step}) and total ({total}) must not be negative")
+    if step < optim.lr_warmup_steps:
+        return optim.lr * (step + 1) / optim.lr_warmup_steps
+    if optim.lr_decay_style == "constant":
+        return optim.lr
+    progress = min((step - optim.lr_warmup_steps) / max(total - optim.lr_warmup_steps, 1), 1.0)
+    if optim.lr_decay_style == "linear":
+        shape = 1.0 - progress
+    else:
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return optim.min_lr + (optim.lr - optim.min_lr) * shape
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Every parameter group of ``optimizer`` at ``lr``."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
 @dataclass(frozen=True)
 class UpdateSettings:
     """How a step trains on its groups."""
