@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,14 +33,14 @@ def _token_from_env(var: str | None, what: str, *, open_warning: str | None = No
     With no variable named, ``open_warning`` (what is left open) goes to stderr; a variable
     named but unset or empty exits with a message.
     """
-    if var is None:
-        if open_warning is not None:
-            print(f"corral: no {what}: {open_warning}", file=sys.stderr)
-        return None
-    token = os.environ.get(var)
-    if not token:
-        raise SystemExit(f"corral: {what}: environment variable {var} is not set or empty")
-    return token
+    from corral.secrets import SecretMissing, env_secret
+
+    if var is None and open_warning is not None:
+        print(f"corral: no {what}: {open_warning}", file=sys.stderr)
+    try:
+        return env_secret(var, what)
+    except SecretMissing as exc:
+        raise SystemExit(f"corral: {exc}") from None
 
 
 def cmd_model_tiny(args: argparse.Namespace) -> int:

@@ -62,6 +62,7 @@ from corral.adapters.gateway_admin import GatewayAdmin, GatewayAdminError, Sessi
 from corral.adapters.rows import Row, read_rows
 from corral.envs.client import EnvClient, EnvClientError
 from corral.gateway.samples import Sample
+from corral.secrets import SecretMissing, env_secret
 
 if TYPE_CHECKING:  # the MCP SDK is imported when a rollout runs, not with the CLI
     from corral.adapters.mcp_tools import EpisodeTools, McpEndpoint
@@ -487,12 +488,11 @@ def cmd_play(args: argparse.Namespace) -> int:
     episode failed or none was selected), 2 for a configuration error."""
     from rich.progress import Progress
 
-    admin_token = None
-    if args.admin_token_var:
-        admin_token = os.environ.get(args.admin_token_var)
-        if not admin_token:
-            print(f"corral play: {args.admin_token_var} is not set or empty", file=sys.stderr)
-            return 2
+    try:
+        admin_token = env_secret(args.admin_token_var or None, "the gateway admin token")
+    except SecretMissing as exc:
+        print(f"corral play: {exc}", file=sys.stderr)
+        return 2
     rows = read_rows(Path(args.rows), split=args.split, limit=args.limit)
     if not rows:
         print(f"corral play: no rows selected from {args.rows}", file=sys.stderr)

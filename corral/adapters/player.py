@@ -39,6 +39,7 @@ from corral.adapters.rows import Row
 from corral.envs.client import EnvClient, EnvClientError, EnvServerError
 from corral.envs.protocol import ObservationData
 from corral.gateway.samples import Sample
+from corral.secrets import SecretMissing, env_secret
 
 END_TURN = "end_turn"
 # Errors worth waiting out within reset_timeout: the server is full or not up (yet).
@@ -134,13 +135,10 @@ class Player:
         await self.aclose()
 
     def _token(self, row: Row) -> str | None:
-        var = row.metadata.env.token_var
-        if var is None:
-            return None
-        token = self.env.get(var)
-        if not token:
-            raise PlayerError(f"the row's env server token variable {var} is not set")
-        return token
+        try:
+            return env_secret(row.metadata.env.token_var, "the row's env server token", self.env)
+        except SecretMissing as exc:
+            raise PlayerError(str(exc)) from None
 
     async def play(
         self,

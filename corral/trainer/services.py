@@ -18,13 +18,13 @@ Everything started here stops when the block exits.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from corral.adapters.evals import task_groups
 from corral.adapters.rows import RowSettings, read_rows, write_rows
+from corral.secrets import SecretMissing, env_secret
 from corral.trainer.config import SftConfig, TrainConfig
 from corral.trainer.loop import Services
 from corral.trainer.weights import DiskWeightSync, InProcessWeightSync, WeightSync
@@ -54,12 +54,10 @@ def _gateway_host(on_ray: bool) -> str:
 
 
 def _token(var: str | None, what: str) -> str | None:
-    if var is None:
-        return None
-    value = os.environ.get(var)
-    if not value:
-        raise ServicesError(f"{what}: environment variable {var} is not set")
-    return value
+    try:
+        return env_secret(var, what)
+    except SecretMissing as exc:
+        raise ServicesError(str(exc)) from None
 
 
 @contextmanager
