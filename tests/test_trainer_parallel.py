@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -54,6 +53,7 @@ from corral.trainer.model import (  # noqa: E402
     forward_logits,
 )
 from corral.trainer.step import UpdateSettings, policy_update  # noqa: E402
+from tests.worlds import TORCHRUN_VARS, free_port, join_as_torchrun  # noqa: E402
 
 WORLD = 2
 SPAWN_TIMEOUT_S = 240
@@ -156,13 +156,7 @@ def _worker(rank: int, folder: Path, port: int) -> None:
     out = folder / f"rank{rank}"
     out.mkdir()
     # Phase 1, tensor parallel 2: the world from the environment, as torchrun sets it.
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        WORLD_SIZE=str(WORLD),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-    )
+    join_as_torchrun(rank, WORLD, port)
     rt = megatron_cpu.setup("cpu", tensor_parallel_size=2)
     assert (rt.world_size, rt.tensor_parallel_rank, rt.data_parallel_size) == (2, rank, 1)
     groups = parallel.broadcast_objects(_groups() if rank == 0 else None)
@@ -183,7 +177,7 @@ def _worker(rank: int, folder: Path, port: int) -> None:
         results["tp_weights"][name] = megatron_to_hf(megatron_state_dict(model), spec)
     megatron_cpu.teardown()
     # Phase 2, data parallel 2: the world given explicitly, rendezvous through a file.
-    for var in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
+    for var in TORCHRUN_VARS:
         del os.environ[var]
     rt = megatron_cpu.setup(
         "cpu", world_size=WORLD, rank=rank, init_method=f"file://{folder / 'rendezvous'}"
@@ -201,12 +195,6 @@ def _worker(rank: int, folder: Path, port: int) -> None:
     torch.save(results, out / "results.pt")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def parallel_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """Both ranks' results, and the world-1 reference computed here, by model name."""
@@ -216,7 +204,7 @@ def parallel_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
     for name in MODELS:
         _write_model(folder / name, name)
     started = time.monotonic()
-    context = mp.spawn(_worker, args=(folder, _free_port()), nprocs=WORLD, join=False)
+    context = mp.spawn(_worker, args=(folder, free_port()), nprocs=WORLD, join=False)
     while not context.join(timeout=1):
         if time.monotonic() - started > SPAWN_TIMEOUT_S:
             for process in context.processes:

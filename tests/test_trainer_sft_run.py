@@ -11,24 +11,11 @@ import pytest
 import torch
 
 from corral.cli import main
-from corral.engines.tiny_model import CITIES, TOOLS
+from corral.engines.tiny_model import CITIES
 from corral.trainer.metrics import read_metrics
+from tests.weather import weather_conversation
 
 pytest.importorskip("megatron.core", reason="pip install 'corral[train]'")
-
-
-def _conversation(city: str, i: int) -> dict[str, object]:
-    function = {"name": "get_weather", "arguments": json.dumps({"city": city})}
-    call = {"id": f"call_{i}", "type": "function", "function": function}
-    return {
-        "messages": [
-            {"role": "user", "content": f"What is the weather in {city}?"},
-            {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": f"call_{i}", "content": f"rain in {city}"},
-            {"role": "assistant", "content": f"It rains in {city}."},
-        ],
-        "tools": TOOLS,
-    }
 
 
 def _args(data: Path, run: Path, model: Path, *extra: str) -> list[str]:
@@ -43,7 +30,7 @@ def test_sft_trains_resumes_and_writes_a_model(tiny_model_dir: Path, tmp_path: P
     from transformers import AutoModelForCausalLM
 
     data = tmp_path / "chats.jsonl"
-    lines = [_conversation(city, i) for i, city in enumerate(CITIES)]
+    lines = [weather_conversation(city, i) for i, city in enumerate(CITIES)]
     data.write_text("".join(json.dumps(c) + "\n" for c in lines))
     run = tmp_path / "run"
 
@@ -72,7 +59,8 @@ def test_sft_follows_the_learning_rate_schedule(tiny_model_dir: Path, tmp_path: 
     from corral.trainer.step import scheduled_lr
 
     data = tmp_path / "chats.jsonl"
-    data.write_text("".join(json.dumps(_conversation(c, i)) + "\n" for i, c in enumerate(CITIES)))
+    lines = [weather_conversation(city, i) for i, city in enumerate(CITIES)]
+    data.write_text("".join(json.dumps(c) + "\n" for c in lines))
     sets = ['optim.lr_decay_style="cosine"', "optim.lr_warmup_steps=1", "optim.min_lr=3e-4"]
     assert main(_args(data, tmp_path / "run", tiny_model_dir, "epochs=2", *sets)) == 0
     rates = [m["lr"] for m in read_metrics(tmp_path / "run") if m.get("kind") != "eval"]
@@ -83,7 +71,7 @@ def test_sft_follows_the_learning_rate_schedule(tiny_model_dir: Path, tmp_path: 
 
 def test_sft_refuses_bad_data_with_the_line(tiny_model_dir: Path, tmp_path: Path) -> None:
     data = tmp_path / "bad.jsonl"
-    data.write_text(json.dumps(_conversation("Oslo", 0)) + "\n{not json\n")
+    data.write_text(json.dumps(weather_conversation("Oslo", 0)) + "\n{not json\n")
     rc = main(_args(data, tmp_path / "run", tiny_model_dir))
     assert rc == 1
     assert not (tmp_path / "run" / "model").exists()

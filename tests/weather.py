@@ -87,3 +87,21 @@ def write_weather_bundle(root: Path, *, modes: tuple[str, ...] = MODES) -> Path:
     ]  # fmt: skip
     (root / "tasks" / "train.jsonl").write_text("".join(json.dumps(t) + "\n" for t in lines))
     return root
+
+
+def weather_conversation(city: str, i: int) -> dict[str, object]:
+    """A chat fine-tuning line (OpenAI's shape) of the tiny model's one skill: asked about
+    ``city``'s weather, it calls ``get_weather`` (call id ``call_{i}``), then answers."""
+    from corral.engines.tiny_model import TOOLS
+
+    function = {"name": "get_weather", "arguments": json.dumps({"city": city})}
+    call = {"id": f"call_{i}", "type": "function", "function": function}
+    return {
+        "messages": [
+            {"role": "user", "content": f"What is the weather in {city}?"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"call_{i}", "content": f"rain in {city}"},
+            {"role": "assistant", "content": f"It rains in {city}."},
+        ],
+        "tools": TOOLS,
+    }

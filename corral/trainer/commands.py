@@ -209,6 +209,13 @@ def cmd_sft(args: argparse.Namespace) -> int:
         print(f"corral sft: {exc}", file=sys.stderr)
         return 2
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex)")
+    if int(os.environ.get("RANK", "0")) != 0:  # a torchrun rank besides the leader: no display
+        try:
+            run_sft(config)
+        except (OSError, ValueError) as exc:
+            print(f"corral sft: {exc}", file=sys.stderr)
+            return 1
+        return 0
     console = Console()
     with Progress(console=console) as progress:
         bar = progress.add_task("steps", total=None)

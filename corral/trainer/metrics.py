@@ -120,6 +120,11 @@ class MetricsWriter:
         """Whether the file holds an eval line of ``step``."""
         return step in self._evaluated
 
+    @property
+    def evaluated_steps(self) -> frozenset[int]:
+        """Every step the file holds an eval line of."""
+        return frozenset(self._evaluated)
+
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:

@@ -26,7 +26,10 @@ a token budget, the loss is the cross entropy averaged over every trained token 
 (normalised by the step's count, so the summed micro-batch gradients are the full batch's
 gradient however the samples were packed), gradients are clipped, the optimizer steps.
 :func:`sft_eval_loss` computes the same loss without gradients. Both run on the megatron-core
-model of :mod:`corral.trainer.model` at world size 1.
+model of :mod:`corral.trainer.model`, in a world of any layout that
+:mod:`corral.trainer.parallel` handles (as the RL update does): every rank is given the same
+samples, each data-parallel replica takes its share of the micro-batches, gradients and
+metrics are reduced to the full step's.
 """
 
 from __future__ import annotations
@@ -485,13 +488,16 @@ def sft_update(
     ``grad_norm`` (before clipping), ``samples``, ``tokens``, ``trained_tokens`` and
     ``micro_batches``. ValueError for no samples or no target token among them.
     """
+    from corral.trainer import parallel
+
     settings = settings or SftSettings()
     model.train()
     optimizer.zero_grad(set_to_none=True)
     metrics = _run(model, samples, settings, backward=True)
+    parallel.finish_gradients(model)
     params = [p for p in model.parameters() if p.grad is not None]
     max_norm = settings.max_grad_norm if settings.max_grad_norm is not None else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    grad_norm = parallel.clip_grad_norm(params, max_norm)
     optimizer.step()
     metrics["grad_norm"] = float(grad_norm)
     return metrics
@@ -515,7 +521,9 @@ def sft_eval_loss(
 def _run(
     model: Any, samples: Sequence[SftSample], settings: SftSettings, *, backward: bool
 ) -> dict[str, float]:
-    """Forward every micro-batch; with ``backward``, accumulate the step loss's gradients."""
+    """Forward this replica's micro-batches; with ``backward``, accumulate the step loss's
+    gradients. The metrics are the whole step's (summed over the data-parallel replicas)."""
+    from corral.trainer import parallel
     from corral.trainer.model import forward_logits
 
     if not samples:
@@ -526,9 +534,12 @@ def _run(
         raise ValueError("the samples have no target token (every loss mask is 0)")
     device = next(model.parameters()).device
     batches = _pack([s.num_tokens for s in samples], settings.max_tokens_per_micro_batch)
+    share = parallel.data_parallel_share(
+        [sum(samples[i].num_tokens for i in indices) for indices in batches]
+    )
     loss_sum = 0.0
     correct = 0
-    for indices in batches:
+    for indices in (batches[b] for b in share):
         tokens, attention, mask = _padded([samples[i] for i in indices], settings.pad_id)
         tokens, attention, mask = tokens.to(device), attention.to(device), mask.to(device)
         logits = forward_logits(model, tokens, attention_mask=attention)
@@ -544,9 +555,10 @@ def _run(
             (ce / trained).backward()
         loss_sum += float(ce.detach())
         correct += int((rows.detach().argmax(dim=-1) == targets).sum())
+    summed = parallel.sum_over_data_parallel({"loss": loss_sum, "correct": float(correct)})
     return {
-        "loss": loss_sum / trained,
-        "accuracy": correct / trained,
+        "loss": summed["loss"] / trained,
+        "accuracy": summed["correct"] / trained,
         "samples": float(len(samples)),
         "tokens": float(sum(s.num_tokens for s in samples)),
         "trained_tokens": float(trained),

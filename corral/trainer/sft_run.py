@@ -9,11 +9,17 @@ and ``eval/accuracy`` on ``eval_data`` every ``eval_every`` steps and after the 
 (:mod:`corral.trainer.checkpoint`); the final weights are written as a Hugging Face folder,
 ``<run_dir>/model``, with the tokenizer of the model trained.
 
-One process (world size 1) on CPU or one GPU.
+One process on CPU or one GPU, or a world started by ``torchrun`` (one process per GPU):
+``model.tensor_parallel`` ranks share each replica's layers, the rest of the world is data
+parallel (each replica trains its share of a step's micro-batches; gradients and metrics are
+the full step's). Every rank reads the data and takes the same batches; rank 0 alone writes the
+metrics and ``config.json`` and calls ``on_line``; every rank writes its checkpoint shard and
+takes part in gathering the final folder.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -43,7 +49,7 @@ def run_sft(
     line, a conversation the template renders unstably, one over ``max_tokens``), naming it."""
     from transformers import AutoTokenizer
 
-    from corral.trainer import megatron_cpu
+    from corral.trainer import megatron_cpu, parallel
     from corral.trainer.convert import load_hf_checkpoint, save_hf_checkpoint
     from corral.trainer.services import model_path
     from corral.trainer.sft import (
@@ -73,7 +79,10 @@ def run_sft(
         pad_id=int(tokenizer.pad_token_id or 0),
     )
     device = config.model.device
-    runtime = megatron_cpu.setup(device, seed=config.seed)
+    runtime = megatron_cpu.setup(
+        device, tensor_parallel_size=config.model.tensor_parallel, seed=config.seed
+    )
+    leader = runtime.rank == 0
     lines: list[dict[str, Any]] = []
     try:
         dtype = torch.bfloat16 if config.model.dtype == "bfloat16" else torch.float32
@@ -84,27 +93,39 @@ def run_sft(
         step = 0
         resumed = latest_checkpoint(config.run_dir)
         if resumed is not None:
-            state = load_checkpoint(resumed, model, optimizer)
+            state = load_checkpoint(resumed, model, optimizer, rank=runtime.rank)
             state.restore_rng()
             sampler.restore(state.sampler)
             step = state.step
-        config.run_dir.mkdir(parents=True, exist_ok=True)
-        (config.run_dir / "config.json").write_text(config.model_dump_json(indent=2) + "\n")
+        if leader:
+            config.run_dir.mkdir(parents=True, exist_ok=True)
+            (config.run_dir / "config.json").write_text(config.model_dump_json(indent=2) + "\n")
+        writer = (
+            MetricsWriter(config.run_dir, tensorboard=config.tensorboard, resume_step=step)
+            if leader
+            else None
+        )
+        # Evaluations are collective: every rank must agree on which are still to do.
+        shared = parallel.broadcast_objects(writer.evaluated_steps if writer else None)
+        evaluated = set(shared or ())
 
-        def emit(out: MetricsWriter, line: dict[str, Any]) -> None:
-            out.write(line)
+        def emit(line: dict[str, Any]) -> None:
+            if writer is None:
+                return
+            writer.write(line)
             lines.append(line)
             if on_line is not None:
                 on_line(line)
 
-        def evaluate(out: MetricsWriter) -> None:
+        def evaluate() -> None:
             result = sft_eval_loss(model, evals, settings)
-            emit(out, {"step": step, "kind": "eval", "eval/loss": result["loss"],
-                       "eval/accuracy": result["accuracy"]})  # fmt: skip
+            evaluated.add(step)
+            emit({"step": step, "kind": "eval", "eval/loss": result["loss"],
+                  "eval/accuracy": result["accuracy"]})  # fmt: skip
 
-        with MetricsWriter(config.run_dir, tensorboard=config.tensorboard, resume_step=step) as out:
-            if evals and step == 0 and not out.evaluated(0):
-                evaluate(out)
+        with writer if writer is not None else contextlib.nullcontext():
+            if evals and step == 0 and 0 not in evaluated:
+                evaluate()
             while step < total:
                 batch = sampler.take(config.batch_size)
                 reset_peak_memory(device)
@@ -112,7 +133,7 @@ def run_sft(
                 set_lr(optimizer, scheduled_lr(config.optim, step, total))
                 result = sft_update(model, optimizer, batch, settings)
                 step += 1
-                emit(out, {
+                emit({
                     "step": step,
                     "epoch": step / steps_per_epoch,
                     **result,
@@ -124,12 +145,18 @@ def run_sft(
                 if every and (step % every == 0 or step == total):
                     state = TrainerState.capture(step, sampler.state(), 0, f"sft-{step}")
                     save_checkpoint(
-                        config.run_dir, state, model, optimizer, keep=config.keep_checkpoints
+                        config.run_dir,
+                        state,
+                        model,
+                        optimizer,
+                        rank=runtime.rank,
+                        world_size=runtime.world_size,
+                        keep=config.keep_checkpoints,
                     )
                 if evals and config.eval_every and step % config.eval_every == 0:
-                    evaluate(out)
-            if evals and not out.evaluated(step):
-                evaluate(out)
+                    evaluate()
+            if evals and step not in evaluated:
+                evaluate()
         save_hf_checkpoint(model, spec, config.run_dir / "model", tokenizer_from=path)
     finally:
         megatron_cpu.teardown()
