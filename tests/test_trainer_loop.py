@@ -364,3 +364,56 @@ def test_weights_go_through_disk_unless_the_engine_is_in_this_process() -> None:
     spawned = TrainConfig.model_validate({"engine": {"processes": True}})
     remote = TrainConfig.model_validate({"engine": {"url": "http://e", "gateway": "http://g"}})
     assert not spawned.engine.weights_in_memory and not remote.engine.weights_in_memory
+
+
+def test_corral_train_under_torchrun_with_tensor_parallel_2(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Two ranks on CPU (gloo) as ``torchrun`` starts them: rank 0 runs the services and the
+    rollouts, rank 1 follows its commands (over the command channel) and trains its shard; the
+    run's rewards are the single-process run's (greedy rollouts), every rank writes its
+    checkpoint shard, and the evaluation after the step plays the pushed weights."""
+    import subprocess
+    import sys
+
+    from tests.worlds import free_port
+
+    bundle = write_weather_bundle(tmp_path / "weather", modes=("ok", "wrong"))
+    run = tmp_path / "run"
+    sets = [
+        f'model.path="{tiny_model_dir}"',
+        f'env.bundle="{bundle}"',
+        'env.eval_split="train"',
+        "rollout.groups_per_step=2",
+        "rollout.rollouts_per_row=2",
+        "rollout.temperature=0",
+        "rollout.max_tokens=48",
+        "schedule.eval_every=1",
+        "tensorboard=false",
+        "loss.entropy_coef=0.01",
+    ]  # fmt: skip  (a gradient whatever the rewards)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+               "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
+               "-m", "corral.cli", "train", "--run-dir", str(run), "--steps", "1",
+               *[f"--set={s}" for s in [*sets, "model.tensor_parallel=2"]]]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    from corral.cli import main
+
+    alone = tmp_path / "alone"
+    args = ["train", "--run-dir", str(alone), "--steps", "1", *[f"--set={s}" for s in sets]]
+    assert main(args) == 0
+    lines = read_metrics(run)
+    assert [(m["step"], m.get("kind", "step")) for m in lines] == [
+        (0, "eval"),
+        (1, "step"),
+        (1, "eval"),
+    ]  # once: rank 1 wrote no line
+    assert lines[0]["eval/reward/mean"] == 0.5 and lines[1]["reward/mean"] == 0.5
+    one = read_metrics(alone)[1]
+    for key in ("loss", "entropy", "grad_norm", "tis_weight"):  # the same update as one process
+        assert lines[1][key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
+    assert lines[1]["grad_norm"] > 0 and lines[1]["trained_tokens"] == one["trained_tokens"] > 0
+    shards = sorted(p.name for p in (run / "checkpoints" / "step-000001").glob("model-rank*"))
+    assert shards == ["model-rank0.pt", "model-rank1.pt"]
+    assert lines[2]["weight_version"] == "step-1"  # evaluated on the pushed weights

@@ -27,12 +27,16 @@ class _Section(BaseModel):
 
 class ModelSettings(_Section):
     """The policy. ``path``: a Hugging Face folder (Qwen2/Qwen3/Llama family); unset means the
-    tiny model, built offline and cached. ``dtype`` is the trainer's parameter dtype."""
+    tiny model, built offline and cached. ``dtype`` is the trainer's parameter dtype. Under
+    torchrun: ``tensor_parallel`` ranks per replica, and ``collective_timeout_s`` for the
+    training collectives (None: torch's default, 10 minutes under NCCL); ranks waiting for the
+    leader's next command are not bound by it (``corral.trainer.megatron_cpu``)."""
 
     path: Path | None = None
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: Literal["float32", "bfloat16"] = "float32"
     tensor_parallel: int = Field(default=1, ge=1)
+    collective_timeout_s: float | None = Field(default=None, gt=0)
 
 
 class EnvSettings(_Section):

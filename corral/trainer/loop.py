@@ -143,7 +143,10 @@ class Trainer:
 
         cfg = self.config
         runtime = megatron_cpu.setup(
-            cfg.model.device, tensor_parallel_size=cfg.model.tensor_parallel, seed=cfg.seed
+            cfg.model.device,
+            tensor_parallel_size=cfg.model.tensor_parallel,
+            seed=cfg.seed,
+            collective_timeout_s=cfg.model.collective_timeout_s,
         )
         if (runtime.rank == 0) != (self.services is not None):
             megatron_cpu.teardown()
@@ -454,12 +457,13 @@ class _Crew:
             await self._do(command)
 
     async def _share(self, command: _Command | None) -> _Command:
-        from corral.trainer.parallel import broadcast_objects
+        from corral.trainer.parallel import broadcast_command
 
         if self.runtime.world_size == 1:
             assert command is not None
             return command
-        shared = await asyncio.to_thread(broadcast_objects, command)
+        # The command channel: a follower waits here through the leader's whole rollout phase.
+        shared = await asyncio.to_thread(broadcast_command, command)
         assert shared is not None  # the leader never shares None
         return shared
 

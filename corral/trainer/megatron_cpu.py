@@ -68,6 +68,12 @@ The model must be built with ``use_cpu_initialization=True`` and called with an 
 attention mask (megatron's default causal mask is built with ``device="cuda"``);
 ``corral.trainer.model`` does both.
 
+Waiting is not computing. A rank that waits for the leader's next command (while the leader
+plays a step's rollouts or evaluates, which can take hours with agentic tasks) waits on
+:func:`command_group`, a gloo group with a timeout of :data:`COMMAND_WAIT_S`; the training
+collectives keep ``collective_timeout_s`` (torch's default when None: 10 minutes under NCCL), so
+a hung all-reduce still fails in minutes while a long rollout phase does not kill the world.
+
 Nothing is patched at import time, and importing this module does not import megatron.
 """
 
@@ -76,6 +82,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import math
 import os
 import shutil
 import sys
@@ -83,6 +90,7 @@ import tempfile
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Final, Literal, ParamSpec, TypeVar
 
@@ -117,6 +125,10 @@ _CURRENT_DEVICE_USERS: Final = (
 _RNG_MODULE: Final = "megatron.core.tensor_parallel.random"
 # megatron's seed arithmetic in model_parallel_cuda_manual_seed, so that a CPU run draws dropout
 # masks from streams seeded the way a GPU run's are.
+# How long a rank may wait for the leader's next command (command_group). A dead leader ends
+# a torchrun world anyway (its agent stops every rank), so this only has to outlast the
+# longest rollout phase.
+COMMAND_WAIT_S: Final = 24 * 3600.0
 _TP_SEED_OFFSET: Final = 2718
 _EXPERT_SEED_OFFSET: Final = 1024
 
@@ -159,6 +171,7 @@ class _State:
     rebound: list[tuple[types.ModuleType, Any]] = field(default_factory=list)
     # megatron's RNG tracker slot (tracker, initialised flag) before setup replaced it
     rng_saved: tuple[Any, Any] | None = None
+    command_group: Any = None  # a world of several ranks: the gloo group commands travel on
 
 
 _state: _State | None = None
@@ -178,6 +191,7 @@ def setup(
     world_size: int | None = None,
     rank: int | None = None,
     init_method: str | None = None,
+    collective_timeout_s: float | None = None,
 ) -> Runtime:
     """Bring up torch.distributed and megatron's parallel groups for ``device``; idempotent.
 
@@ -185,7 +199,9 @@ def setup(
     ``init_method`` when given (all ranks call ``setup`` with the same ``world_size`` and
     ``init_method``); else torchrun's environment; else a world of one (module docstring).
     Every rank of the world must call ``setup`` with the same layout: megatron's group
-    creation is collective.
+    creation is collective. ``collective_timeout_s``: how long a collective of the process
+    group and megatron's groups may wait (None: torch's and megatron's defaults); waiting for
+    a command is :func:`command_group`'s (module docstring).
 
     A second call with the same arguments returns the same ``Runtime``; with different ones it
     raises ``RuntimeError`` (call ``teardown`` first). ``device="cuda"`` without a GPU raises
@@ -215,8 +231,13 @@ def setup(
 
     state = _State()
     try:
-        torch_device = _init_process_group(device, state, world_size, rank, init_method)
+        timeout = None if collective_timeout_s is None else timedelta(seconds=collective_timeout_s)
+        torch_device = _init_process_group(device, state, world_size, rank, init_method, timeout)
         world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+        if world > 1:  # collective: every rank creates it, in the same order
+            state.command_group = torch.distributed.new_group(
+                backend="gloo", timeout=timedelta(seconds=COMMAND_WAIT_S)
+            )
         if world % (tensor_parallel_size * pipeline_parallel_size):
             raise ValueError(
                 f"world size {world} is not divisible by tensor parallel {tensor_parallel_size}"
@@ -225,11 +246,16 @@ def setup(
         from megatron.core import parallel_state
 
         if not parallel_state.model_parallel_is_initialized():
+            minutes = {}
+            if collective_timeout_s is not None:
+                whole = max(1, math.ceil(collective_timeout_s / 60))
+                minutes["distributed_timeout_minutes"] = whole
             parallel_state.initialize_model_parallel(
                 tensor_parallel_size,
                 pipeline_parallel_size,
                 # gloo is the default backend on CPU: its gloo copies would be duplicates
                 create_gloo_process_groups=device == "cuda",
+                **minutes,
             )
             state.owns_model_parallel = True
         elif (
@@ -275,6 +301,12 @@ def teardown() -> None:
     _undo(state)
 
 
+def command_group() -> Any | None:
+    """The gloo group the leader's commands travel on (module docstring); None in a world of
+    one or before ``setup``."""
+    return _state.command_group if _state is not None else None
+
+
 def device_scope() -> contextlib.AbstractContextManager[Any]:
     """A ``with`` in which the runtime's CUDA device is this thread's current device (module
     docstring); does nothing on CPU or before ``setup``."""
@@ -305,6 +337,7 @@ def runtime(
     world_size: int | None = None,
     rank: int | None = None,
     init_method: str | None = None,
+    collective_timeout_s: float | None = None,
 ) -> Iterator[Runtime]:
     """``setup`` for the body of a ``with``; ``teardown`` after it, unless it was already set
     up before the ``with`` (then it is left as it was)."""
@@ -317,6 +350,7 @@ def runtime(
         world_size=world_size,
         rank=rank,
         init_method=init_method,
+        collective_timeout_s=collective_timeout_s,
     )
     try:
         yield rt
@@ -335,6 +369,7 @@ def _init_process_group(
     world_size: int | None,
     rank: int | None,
     init_method: str | None,
+    timeout: timedelta | None,
 ) -> torch.device:
     """Start the default process group if none is up; returns the device models go on."""
     dist = torch.distributed
@@ -354,10 +389,14 @@ def _init_process_group(
     backend = "nccl" if device == "cuda" else "gloo"
     if world_size is not None and rank is not None:
         dist.init_process_group(
-            backend, init_method=init_method or "env://", world_size=world_size, rank=rank
+            backend,
+            init_method=init_method or "env://",
+            world_size=world_size,
+            rank=rank,
+            timeout=timeout,
         )
     elif "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, init_method="env://")
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
     else:
         state.store_dir = Path(tempfile.mkdtemp(prefix="corral-megatron-"))
         store = dist.FileStore(str(state.store_dir / "store"), 1)
@@ -380,6 +419,9 @@ def _undo(state: _State) -> None:
     if state.owns_model_parallel:
         sys.modules["megatron.core.parallel_state"].destroy_model_parallel()
         state.owns_model_parallel = False
+    if state.command_group is not None and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group(state.command_group)
+    state.command_group = None
     if state.owns_process_group and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     state.owns_process_group = False

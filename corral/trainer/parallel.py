@@ -112,6 +112,21 @@ def broadcast_objects(obj: T) -> T:
     return box[0]
 
 
+def broadcast_command(obj: T) -> T:
+    """:func:`broadcast_objects` for what a rank may wait long for (the leader's next command,
+    sent after a rollout phase of any length): over ``megatron_cpu.command_group``, gloo with a
+    day's timeout, not the training collectives' group and timeout. Identity in a world of
+    one."""
+    from corral.trainer import megatron_cpu
+
+    group = megatron_cpu.command_group()
+    if group is None:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
 @on_device
 def barrier() -> None:
     """Wait for every rank of the world (no-op without a process group). With NCCL, on this

@@ -80,7 +80,10 @@ def run_sft(
     )
     device = config.model.device
     runtime = megatron_cpu.setup(
-        device, tensor_parallel_size=config.model.tensor_parallel, seed=config.seed
+        device,
+        tensor_parallel_size=config.model.tensor_parallel,
+        seed=config.seed,
+        collective_timeout_s=config.model.collective_timeout_s,
     )
     leader = runtime.rank == 0
     lines: list[dict[str, Any]] = []
