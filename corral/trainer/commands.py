@@ -14,6 +14,18 @@ from pathlib import Path
 from typing import Any
 
 
+def _add_set_option(parser: argparse.ArgumentParser, metavar: str, example: str) -> None:
+    """``--set KEY=VALUE`` (repeatable) into ``args.overrides``, read as TOML by the config."""
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar=metavar,
+        help=f"override one setting, e.g. {example} (repeatable)",
+    )
+
+
 def add_train_commands(sub: Any) -> None:
     train = sub.add_parser(
         "train",
@@ -26,14 +38,7 @@ def add_train_commands(sub: Any) -> None:
         "RUN/evals and RUN/curves.png.",
     )
     train.add_argument("config", nargs="?", help="a TOML file (see README: the trainer)")
-    train.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override one setting, e.g. --set rollout.temperature=1.2 (repeatable)",
-    )
+    _add_set_option(train, "SECTION.KEY=VALUE", "--set rollout.temperature=1.2")
     train.add_argument("--run-dir", help="the run folder (default from the config: runs/train)")
     train.add_argument("--steps", type=int, help="updates to reach (schedule.steps)")
     train.add_argument("--ray", metavar="ADDRESS", help="place workers on this Ray cluster")
@@ -52,14 +57,7 @@ def add_train_commands(sub: Any) -> None:
     sft.add_argument("--eval-data", help="held-out conversations for eval/loss")
     sft.add_argument("--model", help="the starting model (default: the tiny model)")
     sft.add_argument("--run-dir", help="the run folder (default runs/sft)")
-    sft.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override one setting, e.g. --set optim.lr=3e-4 --set epochs=2 (repeatable)",
-    )
+    _add_set_option(sft, "KEY=VALUE", "--set optim.lr=3e-4 --set epochs=2")
     sft.set_defaults(func=cmd_sft)
 
     plot = sub.add_parser("plot", help="plot a training run's curves to a PNG")
