@@ -33,7 +33,7 @@ def _token_from_env(var: str | None, what: str, *, open_warning: str | None = No
     With no variable named, ``open_warning`` (what is left open) goes to stderr; a variable
     named but unset or empty exits with a message.
     """
-    from corral.secrets import SecretMissing, env_secret
+    from corral.env_secrets import SecretMissing, env_secret
 
     if var is None and open_warning is not None:
         print(f"corral: no {what}: {open_warning}", file=sys.stderr)

@@ -234,5 +234,10 @@ def test_a_second_run_skips_what_is_done_and_rl_resumes(smoke_run: Path, capsys:
     assert (out / "rl/checkpoints/step-000002/state.json").is_file()
     results = json.loads((out / "report/results.json").read_text())
     assert "after RL (step 2)" in results["policies"]
+    # Other teacher edits than the data folder's: refused, nothing reused or overwritten.
+    data_before = (out / "data/train.jsonl").read_bytes()
+    assert main(["--smoke", "--out", str(out), "--set", "days.edit_share=0.9"]) == 1
+    assert "edit_share" in capsys.readouterr().out
+    assert (out / "data/train.jsonl").read_bytes() == data_before
     final = json.loads((out / "report/final_model/checkpoint.json").read_text())
     assert final["step"] == 2

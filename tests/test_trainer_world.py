@@ -16,8 +16,10 @@ pytest.importorskip("megatron.core", reason="pip install 'corral[train]'")
 from corral.trainer import megatron_cpu, parallel  # noqa: E402
 
 WORLD = 2
-TIMEOUT_S = 2.0  # the training collectives'
-LEADER_BUSY_S = 6.0  # the leader's "rollout phase": three timeouts long
+# The training collectives' timeout; it also bounds the start-up rendezvous, so it leaves room
+# for one process importing torch and megatron slower than the other on a loaded machine.
+TIMEOUT_S = 8.0
+LEADER_BUSY_S = 20.0  # the leader's "rollout phase": over twice the timeout
 SPAWN_TIMEOUT_S = 120
 
 
@@ -30,6 +32,8 @@ def _worker(rank: int, folder: Path) -> None:
         init_method=f"file://{folder / 'rendezvous'}",
         collective_timeout_s=TIMEOUT_S,
     )
+    # Both ranks start the clock together (on the command channel: no timeout to race).
+    torch.distributed.barrier(group=megatron_cpu.command_group())
     result: dict[str, object] = {}
     if rank == 0:
         time.sleep(LEADER_BUSY_S)
@@ -65,3 +69,4 @@ def test_a_follower_outwaits_the_collective_timeout_on_the_command_channel(
     assert follower["timed_out_after_s"] < LEADER_BUSY_S
     assert follower["command"] == {"kind": "train", "step": 7}
     assert follower["waited_s"] >= LEADER_BUSY_S - 1.0  # it really waited out the leader
+    assert follower["timed_out_after_s"] >= TIMEOUT_S - 1.0

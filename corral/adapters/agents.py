@@ -60,9 +60,9 @@ from typing import TYPE_CHECKING, Any
 from corral.adapters.evals import Stats
 from corral.adapters.gateway_admin import GatewayAdmin, GatewayAdminError, SessionHandle
 from corral.adapters.rows import Row, read_rows
+from corral.env_secrets import SecretMissing, env_secret
 from corral.envs.client import EnvClient, EnvClientError
 from corral.gateway.samples import Sample
-from corral.secrets import SecretMissing, env_secret
 
 if TYPE_CHECKING:  # the MCP SDK is imported when a rollout runs, not with the CLI
     from corral.adapters.mcp_tools import EpisodeTools, McpEndpoint

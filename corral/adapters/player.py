@@ -36,10 +36,10 @@ from typing import Any
 
 from corral.adapters.gateway_admin import GatewayAdmin, GatewayAdminError, SessionHandle
 from corral.adapters.rows import Row
+from corral.env_secrets import SecretMissing, env_secret
 from corral.envs.client import EnvClient, EnvClientError, EnvServerError
 from corral.envs.protocol import ObservationData
 from corral.gateway.samples import Sample
-from corral.secrets import SecretMissing, env_secret
 
 END_TURN = "end_turn"
 # Errors worth waiting out within reset_timeout: the server is full or not up (yet).

@@ -29,8 +29,9 @@ class ModelSettings(_Section):
     """The policy. ``path``: a Hugging Face folder (Qwen2/Qwen3/Llama family); unset means the
     tiny model, built offline and cached. ``dtype`` is the trainer's parameter dtype. Under
     torchrun: ``tensor_parallel`` ranks per replica, and ``collective_timeout_s`` for the
-    training collectives (None: torch's default, 10 minutes under NCCL); ranks waiting for the
-    leader's next command are not bound by it (``corral.trainer.megatron_cpu``)."""
+    training collectives (None: torch's and megatron's defaults, 10 and 30 minutes under NCCL;
+    megatron's groups take it in whole minutes); ranks waiting for the leader's next command
+    are not bound by it (``corral.trainer.megatron_cpu``)."""
 
     path: Path | None = None
     device: Literal["cpu", "cuda"] = "cpu"
@@ -121,7 +122,8 @@ class OptimSettings(_Section):
     SFT: ``epochs`` over the data): ``lr_warmup_steps`` rising linearly to ``lr``, then
     ``lr_decay_style`` from ``lr`` towards ``min_lr`` (``constant`` keeps ``lr``), as
     Megatron's ``--lr-decay-style`` / ``--lr-warmup-iters`` / ``--min-lr``. The rate is a
-    function of the step, so a resumed run continues the same schedule."""
+    function of the step and the run's total, so a resumed run with the same total continues
+    the same schedule (raising ``steps`` or ``epochs`` on resume stretches what is left)."""
 
     lr: float = Field(default=1e-5, gt=0)
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"

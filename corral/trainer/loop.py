@@ -258,9 +258,8 @@ class Trainer:
                             pending = self._start_fill(draw, sampler)
                         reset_peak_memory(cfg.model.device)
                         began = time.monotonic()
-                        update = await crew.command(
-                            _Command("train", groups=filled.groups, step=step)
-                        )
+                        lr = scheduled_lr(cfg.optim, step, cfg.schedule.steps)
+                        update = await crew.command(_Command("train", groups=filled.groups, lr=lr))
                         training_s = time.monotonic() - began
                         step += 1
                         version = f"step-{step}"
@@ -403,7 +402,7 @@ class _Command:
     kind: Literal["resume", "push", "train", "checkpoint", "stop"]
     version: str = ""
     groups: Sequence[Group] = ()
-    step: int = 0  # train: the steps done before this one (the learning-rate schedule's place)
+    lr: float = 0.0  # train: the step's learning rate (the leader's schedule, for every rank)
     state: TrainerState | None = None
 
 
@@ -480,7 +479,7 @@ class _Crew:
             await self.sync.push(self.model, self.spec, command.version)
             return None
         if command.kind == "train":
-            set_lr(self.optimizer, scheduled_lr(cfg.optim, command.step, cfg.schedule.steps))
+            set_lr(self.optimizer, command.lr)
             return await asyncio.to_thread(
                 partial(policy_update, reference=self.reference),
                 self.model,

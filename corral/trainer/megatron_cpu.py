@@ -71,8 +71,10 @@ attention mask (megatron's default causal mask is built with ``device="cuda"``);
 Waiting is not computing. A rank that waits for the leader's next command (while the leader
 plays a step's rollouts or evaluates, which can take hours with agentic tasks) waits on
 :func:`command_group`, a gloo group with a timeout of :data:`COMMAND_WAIT_S`; the training
-collectives keep ``collective_timeout_s`` (torch's default when None: 10 minutes under NCCL), so
-a hung all-reduce still fails in minutes while a long rollout phase does not kill the world.
+collectives keep ``collective_timeout_s``: the default group's timeout, and megatron's groups'
+rounded up to whole minutes (None: the defaults, torch's for the default group, 10 minutes
+under NCCL and 30 under gloo, and megatron's 30 minutes for its groups), so a hung all-reduce
+still fails in minutes while a long rollout phase does not end the world.
 
 Nothing is patched at import time, and importing this module does not import megatron.
 """
@@ -172,6 +174,7 @@ class _State:
     # megatron's RNG tracker slot (tracker, initialised flag) before setup replaced it
     rng_saved: tuple[Any, Any] | None = None
     command_group: Any = None  # a world of several ranks: the gloo group commands travel on
+    collective_timeout_s: float | None = None  # as setup was given it
 
 
 _state: _State | None = None
@@ -200,8 +203,9 @@ def setup(
     ``init_method``); else torchrun's environment; else a world of one (module docstring).
     Every rank of the world must call ``setup`` with the same layout: megatron's group
     creation is collective. ``collective_timeout_s``: how long a collective of the process
-    group and megatron's groups may wait (None: torch's and megatron's defaults); waiting for
-    a command is :func:`command_group`'s (module docstring).
+    group may wait, and one of megatron's groups the same rounded up to whole minutes (None:
+    torch's and megatron's defaults); waiting for a command is :func:`command_group`'s
+    (module docstring). It is part of the layout a second ``setup`` must repeat.
 
     A second call with the same arguments returns the same ``Runtime``; with different ones it
     raises ``RuntimeError`` (call ``teardown`` first). ``device="cuda"`` without a GPU raises
@@ -210,11 +214,17 @@ def setup(
     started is undone before the exception propagates.
     """
     global _state
-    wanted = (device, tensor_parallel_size, pipeline_parallel_size, seed)
+    wanted = (device, tensor_parallel_size, pipeline_parallel_size, seed, collective_timeout_s)
     if _state is not None:
         rt = _state.runtime
         assert rt is not None  # set before _state is published
-        have = (rt.device.type, rt.tensor_parallel_size, rt.pipeline_parallel_size, rt.seed)
+        have = (
+            rt.device.type,
+            rt.tensor_parallel_size,
+            rt.pipeline_parallel_size,
+            rt.seed,
+            _state.collective_timeout_s,
+        )
         if have != wanted:
             raise RuntimeError(
                 f"megatron is already set up as {rt}; call teardown() before setup{wanted}"
@@ -229,7 +239,7 @@ def setup(
     if tensor_parallel_size < 1 or pipeline_parallel_size < 1:
         raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
 
-    state = _State()
+    state = _State(collective_timeout_s=collective_timeout_s)
     try:
         timeout = None if collective_timeout_s is None else timedelta(seconds=collective_timeout_s)
         torch_device = _init_process_group(device, state, world_size, rank, init_method, timeout)

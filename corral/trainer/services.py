@@ -24,7 +24,7 @@ from pathlib import Path
 
 from corral.adapters.evals import task_groups
 from corral.adapters.rows import RowSettings, read_rows, write_rows
-from corral.secrets import SecretMissing, env_secret
+from corral.env_secrets import SecretMissing, env_secret
 from corral.trainer.config import SftConfig, TrainConfig
 from corral.trainer.loop import Services
 from corral.trainer.weights import DiskWeightSync, InProcessWeightSync, WeightSync

@@ -45,8 +45,9 @@ def run_sft(
     on_line: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Run ``config`` (module docstring), resuming from the run folder's latest checkpoint, and
-    return the metrics lines written. ValueError for data that cannot be trained on (a bad
-    line, a conversation the template renders unstably, one over ``max_tokens``), naming it."""
+    return the metrics lines written (none on a rank other than 0). ValueError for data that
+    cannot be trained on (a bad line, a conversation the template renders unstably, one over
+    ``max_tokens``), naming it."""
     from transformers import AutoTokenizer
 
     from corral.trainer import megatron_cpu, parallel
@@ -103,14 +104,14 @@ def run_sft(
         if leader:
             config.run_dir.mkdir(parents=True, exist_ok=True)
             (config.run_dir / "config.json").write_text(config.model_dump_json(indent=2) + "\n")
+        files = contextlib.ExitStack()
         writer = (
-            MetricsWriter(config.run_dir, tensorboard=config.tensorboard, resume_step=step)
+            files.enter_context(
+                MetricsWriter(config.run_dir, tensorboard=config.tensorboard, resume_step=step)
+            )
             if leader
             else None
         )
-        # Evaluations are collective: every rank must agree on which are still to do.
-        shared = parallel.broadcast_objects(writer.evaluated_steps if writer else None)
-        evaluated = set(shared or ())
 
         def emit(line: dict[str, Any]) -> None:
             if writer is None:
@@ -126,8 +127,13 @@ def run_sft(
             emit({"step": step, "kind": "eval", "eval/loss": result["loss"],
                   "eval/accuracy": result["accuracy"]})  # fmt: skip
 
-        with writer if writer is not None else contextlib.nullcontext():
-            if evals and step == 0 and 0 not in evaluated:
+        with files:
+            # Evaluations are collective: every rank must agree on which are still to do.
+            shared = parallel.broadcast_objects(writer.evaluated_steps if writer else None)
+            evaluated = set(shared or ())
+            # The start, or a resumed step whose evaluation a crash cut off after its checkpoint.
+            due = step == 0 or bool(config.eval_every and step % config.eval_every == 0)
+            if evals and due and step not in evaluated:
                 evaluate()
             while step < total:
                 batch = sampler.take(config.batch_size)

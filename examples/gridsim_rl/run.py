@@ -78,7 +78,17 @@ class Pipeline:
     def done(self, stage: str) -> bool:
         """Whether ``stage``'s output exists (the report is always rewritten)."""
         if stage == "data":
-            return (self.data_dir / "summary.json").is_file()
+            summary = self.data_dir / "summary.json"
+            if not summary.is_file():
+                return False
+            # Data written with other edits would be reused silently by every later stage.
+            written = json.loads(summary.read_text()).get("edit_share", 0.0)
+            if written != self.settings.days.edit_share:
+                raise StageError(
+                    f"{self.data_dir} was written with days.edit_share={written}, the settings "
+                    f"say {self.settings.days.edit_share}: use another --out"
+                )
+            return True
         if stage == "model":
             return (self.base_model / "build.json").is_file()
         if stage == "sft":
@@ -311,12 +321,13 @@ class Pipeline:
         )
         train = summary["train"]
         facts["grade of the SFT data"] = round(train["mean_grade"], 4)
-        facts["greedy grade on the SFT days"] = round(train["greedy_mean_grade"], 4)
-        facts["edited SFT days"] = (
-            f"{train['edited']} of {train['conversations']} (edit_share "
-            f"{summary['edit_share']}): {train['edited_better']} beat the rule, "
-            f"{train['edited_graded_0']} grade 0"
-        )
+        if "edited" in train:  # data folders from before the teacher's edits lack these
+            facts["greedy grade on the SFT days"] = round(train["greedy_mean_grade"], 4)
+            facts["edited SFT days"] = (
+                f"{train['edited']} of {train['conversations']} (edit_share "
+                f"{summary['edit_share']}): {train['edited_better']} beat the rule, "
+                f"{train['edited_graded_0']} grade 0"
+            )
         facts["model"] = (
             f"Qwen3 {build['model']['num_hidden_layers']} layers x {build['model']['hidden_size']}"
             f", {build['parameters']:,} parameters, vocab {build['vocab_size']}"

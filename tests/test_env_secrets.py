@@ -1,10 +1,10 @@
-"""corral.secrets: the one reader of secrets from named environment variables."""
+"""corral.env_secrets: the one reader of secrets from named environment variables."""
 
 from __future__ import annotations
 
 import pytest
 
-from corral.secrets import SecretMissing, env_secret
+from corral.env_secrets import SecretMissing, env_secret
 
 
 def test_a_named_secret_is_read_and_a_missing_or_empty_one_is_refused_by_name() -> None:
