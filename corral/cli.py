@@ -241,26 +241,29 @@ def cmd_sandbox_image_build(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from corral.run import DEFAULT_BUNDLE, TRAINED_GRIDSIM_POLICY, run_main_job
+    from corral.run import DEFAULT_BUNDLE, TRAINED_GRIDSIM_POLICY, PolicyMissing, run_main_job
 
     bundle = Path(args.bundle) if args.bundle else DEFAULT_BUNDLE
-    # The trained policy plays gridsim only: another bundle gets it only when asked for.
+    # The trained policy plays gridsim only: another bundle gets it only when asked for; a
+    # checkout without the committed model still runs the rest.
     policy = Path(args.policy) if args.policy else None
+    default = TRAINED_GRIDSIM_POLICY
     if policy is None and bundle.resolve() == DEFAULT_BUNDLE.resolve():
-        policy = TRAINED_GRIDSIM_POLICY
-    if policy is not None and args.policy and not (policy / "config.json").is_file():
-        raise SystemExit(f"corral run: no model at {policy} (--policy)")
+        policy = default if (default / "config.json").is_file() else None
     if not (bundle / "bundle.toml").exists():
         raise SystemExit(f"corral run: no bundle at {bundle} (pass --bundle PATH)")
-    return run_main_job(
-        workdir=Path(args.workdir),
-        episodes=args.episodes,
-        seed=args.seed,
-        bundle=bundle,
-        sandbox=args.sandbox,
-        policy=policy,
-        policy_days=args.policy_days,
-    )
+    try:
+        return run_main_job(
+            workdir=Path(args.workdir),
+            episodes=args.episodes,
+            seed=args.seed,
+            bundle=bundle,
+            sandbox=args.sandbox,
+            policy=policy,
+            policy_days=args.policy_days,
+        )
+    except PolicyMissing as exc:
+        raise SystemExit(f"corral run: {exc} (--policy)") from None
 
 
 def build_parser() -> argparse.ArgumentParser:

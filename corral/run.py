@@ -137,6 +137,10 @@ DEFAULT_BUNDLE = Path(__file__).resolve().parents[1] / "bundles" / "gridsim"
 TRAINED_GRIDSIM_POLICY = Path(__file__).resolve().parents[1] / "examples" / "gridsim_rl" / "model"
 
 
+class PolicyMissing(FileNotFoundError):
+    """The policy the main job was asked to play is not a model folder."""
+
+
 async def _idle_episodes(url: str, split: str, count: int) -> list[float | None]:
     """Play ``count`` tasks of ``split`` submitting an all-idle schedule; their rewards."""
     from corral.envs.client import EnvClient
@@ -277,8 +281,11 @@ def run_main_job(
     policy_days: int = 24,
 ) -> int:
     """The main job (module docstring). ``policy``: a model that plays the bundle, played on
-    ``policy_days`` eval rows after the other stages (skipped when it is None, absent or
-    ``policy_days`` is 0)."""
+    ``policy_days`` eval rows after the other stages (skipped when it is None or
+    ``policy_days`` is 0). PolicyMissing, before anything starts, when ``policy`` is no model
+    folder."""
+    if policy is not None and policy_days > 0 and not (policy / "config.json").is_file():
+        raise PolicyMissing(f"no model at {policy}")
     console = Console()
     console.print("the tiny model: built offline once, then cached")
     model_dir = cached_tiny_model("qwen25", seed=seed, cache_dir=workdir / "models")
@@ -299,7 +306,7 @@ def run_main_job(
             sandbox,
             engine_url=urls.engine,
             model_dir=model_dir,
-            policy=policy if policy is not None and (policy / "config.json").is_file() else None,
+            policy=policy,
             policy_days=policy_days,
         )
     return 0

@@ -108,3 +108,12 @@ def test_serve_says_which_sandbox_isolates_and_refuses_a_bundle_that_needs_one()
     assert "needs a sandbox" in refused.stderr and "--sandbox bwrap or docker" in refused.stderr
     image = subprocess.run([*CORRAL, "sandbox", "image", "build", "--help"], capture_output=True)
     assert image.returncode == 0 and b"debootstrap" in image.stdout
+
+
+def test_run_refuses_a_policy_that_is_no_model_before_starting(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    cmd = [*CORRAL, "run", "--workdir", str(work), "--policy", str(tmp_path / "nothing")]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert f"corral run: no model at {tmp_path / 'nothing'} (--policy)" in out.stderr
+    assert not work.exists()  # refused before the tiny model or any server
