@@ -376,7 +376,7 @@ def test_corral_train_under_torchrun_with_tensor_parallel_2(
     import subprocess
     import sys
 
-    from tests.worlds import free_port
+    from tests.servers import free_port
 
     bundle = write_weather_bundle(tmp_path / "weather", modes=("ok", "wrong"))
     run = tmp_path / "run"

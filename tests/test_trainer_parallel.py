@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -53,7 +52,8 @@ from corral.trainer.model import (  # noqa: E402
     forward_logits,
 )
 from corral.trainer.step import UpdateSettings, policy_update  # noqa: E402
-from tests.worlds import TORCHRUN_VARS, free_port, join_as_torchrun  # noqa: E402
+from tests.servers import free_port  # noqa: E402
+from tests.worlds import TORCHRUN_VARS, join_as_torchrun, spawn_world  # noqa: E402
 
 WORLD = 2
 SPAWN_TIMEOUT_S = 240
@@ -198,18 +198,10 @@ def _worker(rank: int, folder: Path, port: int) -> None:
 @pytest.fixture(scope="module")
 def parallel_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """Both ranks' results, and the world-1 reference computed here, by model name."""
-    import torch.multiprocessing as mp
-
     folder = tmp_path_factory.mktemp("parallel")
     for name in MODELS:
         _write_model(folder / name, name)
-    started = time.monotonic()
-    context = mp.spawn(_worker, args=(folder, free_port()), nprocs=WORLD, join=False)
-    while not context.join(timeout=1):
-        if time.monotonic() - started > SPAWN_TIMEOUT_S:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the {WORLD} processes did not finish in {SPAWN_TIMEOUT_S} s")
+    spawn_world(_worker, (folder, free_port()), WORLD, SPAWN_TIMEOUT_S)
     ranks = [torch.load(folder / f"rank{r}" / "results.pt") for r in range(WORLD)]
     reference: dict[str, Any] = {}
     with megatron_cpu.runtime("cpu"):

@@ -7,7 +7,6 @@ importing torch and megatron."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +15,12 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core", reason="pip install 'corral[train]'")
 
-from corral.engines.tiny_model import CITIES  # noqa: E402
 from corral.trainer.config import SftConfig  # noqa: E402
 from corral.trainer.metrics import read_metrics  # noqa: E402
 from corral.trainer.sft_run import run_sft  # noqa: E402
-from tests.weather import weather_conversation  # noqa: E402
-from tests.worlds import free_port, join_as_torchrun  # noqa: E402
+from tests.servers import free_port  # noqa: E402
+from tests.weather import write_weather_chats  # noqa: E402
+from tests.worlds import join_as_torchrun, spawn_world  # noqa: E402
 
 WORLD = 2
 LAYOUTS = (("dp2", 1), ("tp2", 2))  # (run folder, tensor_parallel)
@@ -61,18 +60,9 @@ def _weights(run: Path) -> dict[str, Any]:
 
 
 def test_sft_in_a_world_of_two_trains_as_one_process(tiny_model_dir: Path, tmp_path: Path) -> None:
-    import torch.multiprocessing as mp
-
-    lines = [weather_conversation(city, i) for i, city in enumerate(CITIES)]
-    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in lines))
-    started = time.monotonic()
+    write_weather_chats(tmp_path / "chats.jsonl")
     ports = [free_port() for _ in LAYOUTS]
-    context = mp.spawn(_worker, args=(tmp_path, tiny_model_dir, ports), nprocs=WORLD, join=False)
-    while not context.join(timeout=1):
-        if time.monotonic() - started > SPAWN_TIMEOUT_S:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the {WORLD} processes did not finish in {SPAWN_TIMEOUT_S} s")
+    spawn_world(_worker, (tmp_path, tiny_model_dir, ports), WORLD, SPAWN_TIMEOUT_S)
     single = run_sft(_config(tmp_path, "single", tiny_model_dir))
     before = _weights_of(tiny_model_dir)
     want = _weights(tmp_path / "single")

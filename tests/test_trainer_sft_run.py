@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from corral.cli import main
-from corral.engines.tiny_model import CITIES
 from corral.trainer.metrics import read_metrics
-from tests.weather import weather_conversation
+from tests.weather import weather_conversation, write_weather_chats
 
 pytest.importorskip("megatron.core", reason="pip install 'corral[train]'")
 
@@ -29,9 +28,7 @@ def _args(data: Path, run: Path, model: Path, *extra: str) -> list[str]:
 def test_sft_trains_resumes_and_writes_a_model(tiny_model_dir: Path, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    data = tmp_path / "chats.jsonl"
-    lines = [weather_conversation(city, i) for i, city in enumerate(CITIES)]
-    data.write_text("".join(json.dumps(c) + "\n" for c in lines))
+    data = write_weather_chats(tmp_path / "chats.jsonl")
     run = tmp_path / "run"
 
     assert main(_args(data, run, tiny_model_dir, "epochs=2")) == 0  # 8 conversations: 4 steps
@@ -58,9 +55,7 @@ def test_sft_follows_the_learning_rate_schedule(tiny_model_dir: Path, tmp_path: 
     from corral.trainer.config import OptimSettings
     from corral.trainer.step import scheduled_lr
 
-    data = tmp_path / "chats.jsonl"
-    lines = [weather_conversation(city, i) for i, city in enumerate(CITIES)]
-    data.write_text("".join(json.dumps(c) + "\n" for c in lines))
+    data = write_weather_chats(tmp_path / "chats.jsonl")
     sets = ['optim.lr_decay_style="cosine"', "optim.lr_warmup_steps=1", "optim.min_lr=3e-4"]
     assert main(_args(data, tmp_path / "run", tiny_model_dir, "epochs=2", *sets)) == 0
     rates = [m["lr"] for m in read_metrics(tmp_path / "run") if m.get("kind") != "eval"]

@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core", reason="pip install 'corral[train]'")
 
 from corral.trainer import megatron_cpu, parallel  # noqa: E402
+from tests.worlds import spawn_world  # noqa: E402
 
 WORLD = 2
 # The training collectives' timeout; it also bounds the start-up rendezvous, so it leaves room
@@ -55,15 +56,7 @@ def _worker(rank: int, folder: Path) -> None:
 def test_a_follower_outwaits_the_collective_timeout_on_the_command_channel(
     tmp_path: Path,
 ) -> None:
-    import torch.multiprocessing as mp
-
-    started = time.monotonic()
-    context = mp.spawn(_worker, args=(tmp_path,), nprocs=WORLD, join=False)
-    while not context.join(timeout=1):
-        if time.monotonic() - started > SPAWN_TIMEOUT_S:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the {WORLD} processes did not finish in {SPAWN_TIMEOUT_S} s")
+    spawn_world(_worker, (tmp_path,), WORLD, SPAWN_TIMEOUT_S)
     follower = json.loads((tmp_path / "rank1.json").read_text())
     assert follower["training_group"] == "timed out"
     assert follower["timed_out_after_s"] < LEADER_BUSY_S

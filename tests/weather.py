@@ -105,3 +105,13 @@ def weather_conversation(city: str, i: int) -> dict[str, object]:
         ],
         "tools": TOOLS,
     }
+
+
+def write_weather_chats(path: Path) -> Path:
+    """A chat fine-tuning file at ``path``: :func:`weather_conversation` for each of the tiny
+    model's cities."""
+    from corral.engines.tiny_model import CITIES
+
+    lines = [weather_conversation(city, i) for i, city in enumerate(CITIES)]
+    path.write_text("".join(json.dumps(c) + "\n" for c in lines))
+    return path

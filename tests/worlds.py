@@ -1,19 +1,34 @@
-"""Worlds of several processes on CPU for the trainer's parallel tests: a free loopback port,
-and a process joined as torchrun's environment would join it."""
+"""Worlds of several processes on CPU for the trainer's parallel tests: spawning one and
+waiting for it within a time limit, and a process joined as torchrun's environment would join
+it. (A free port: ``tests.servers.free_port``.)"""
 
 from __future__ import annotations
 
 import os
-import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
 
 TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")
 
 
-def free_port() -> int:
-    """A loopback port free now (the OS's pick)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def spawn_world(
+    worker: Callable[..., None], args: tuple[Any, ...], world: int, timeout_s: float
+) -> None:
+    """Run ``worker(rank, *args)`` in ``world`` spawned processes and wait for them all. A
+    worker's exception fails the caller (torch re-raises it); a world still running after
+    ``timeout_s`` is killed and fails the test."""
+    import torch.multiprocessing as mp
+
+    started = time.monotonic()
+    context = mp.spawn(worker, args=args, nprocs=world, join=False)
+    while not context.join(timeout=1):
+        if time.monotonic() - started > timeout_s:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the {world} processes did not finish in {timeout_s} s")
 
 
 def join_as_torchrun(rank: int, world: int, port: int) -> None:
