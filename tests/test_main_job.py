@@ -50,8 +50,6 @@ def test_the_main_job_runs_the_whole_path(tiny_model_dir: Path, tmp_path: Path) 
 
 
 def _greedy_grade(task: Task) -> float:
-    from bundles.gridsim.greedy import greedy_schedule
-    from bundles.gridsim.market import Battery, scores
+    from bundles.gridsim.baselines import baseline_scores
 
-    prices, battery = task.data["prices"], Battery.from_data(task.data)
-    return scores(prices, greedy_schedule(prices, battery), battery)["grade"]
+    return baseline_scores(task.data)[1]["grade"]

@@ -14,9 +14,10 @@ import argparse
 import math
 import statistics
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from corral.envs.bundle import BundleError, load_bundle
 
@@ -43,18 +44,24 @@ def mean_se(values: Sequence[float]) -> tuple[float, float]:
     return mean, se
 
 
+def baseline_scores(data: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, float]]:
+    """The scores (``market.scores``) of idling all day and of the greedy rule's schedule on a
+    task's ``data``; KeyError / ValueError for data that is not a gridsim day."""
+    prices, battery = data["prices"], Battery.from_data(dict(data))
+    idle = scores(prices, [0] * len(prices), battery)
+    return idle, scores(prices, greedy_schedule(prices, battery), battery)
+
+
 def baseline_rows(bundle_dir: Path, split: str) -> list[Row]:
     """One row per battery size, then one for all days; ValueError if greedy made an invalid
     schedule (a bug in the rule)."""
     bundle = load_bundle(bundle_dir)
     by_size: dict[int, list[dict[str, float]]] = defaultdict(list)
     for task in bundle.tasks(split):
-        prices, battery = task.data["prices"], Battery.from_data(task.data)
-        idle = scores(prices, [0] * len(prices), battery)
-        greedy = scores(prices, greedy_schedule(prices, battery), battery)
+        idle, greedy = baseline_scores(task.data)
         if not greedy["valid"]:
             raise ValueError(f"greedy rule made an invalid schedule for {task.id}")
-        by_size[battery.capacity_mwh].append(
+        by_size[task.data["battery"]["capacity_mwh"]].append(
             {
                 "optimum": greedy["optimum_profit"],
                 "idle": idle["grade"],

@@ -48,15 +48,13 @@ class BaselineDay(NamedTuple):
 
 def baseline_days(limit: int | None = None) -> list[BaselineDay]:
     """The first ``limit`` eval days (all: None), each with the idle and greedy grades."""
-    from bundles.gridsim.greedy import greedy_schedule
-    from bundles.gridsim.market import Battery, scores
+    from bundles.gridsim.baselines import baseline_scores
 
     days = []
     for task in gridsim().tasks("eval")[:limit]:
-        prices, battery = task.data["prices"], Battery.from_data(task.data)
-        idle = scores(prices, [0] * len(prices), battery)["grade"]
-        greedy = scores(prices, greedy_schedule(prices, battery), battery)["grade"]
-        days.append(BaselineDay(task.id, str(battery.capacity_mwh), idle, greedy))
+        idle, greedy = baseline_scores(task.data)
+        size = str(task.data["battery"]["capacity_mwh"])
+        days.append(BaselineDay(task.id, size, idle["grade"], greedy["grade"]))
     return days
 
 

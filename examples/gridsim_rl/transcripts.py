@@ -46,9 +46,10 @@ def write_transcripts(
     (per battery size), the greedy rule's on the same days, and the edited days' count, mean
     grade and how many of them beat the rule or grade 0. ValueError when a submission is
     refused, invalid or grades otherwise than the teacher's schedule does."""
+    from bundles.gridsim.baselines import baseline_scores
     from bundles.gridsim.market import Battery, scores
 
-    from .days import greedy, play_submission
+    from .days import play_submission
 
     grades: dict[int, list[float]] = {}
     rule_grades: list[float] = []
@@ -66,7 +67,7 @@ def write_transcripts(
             meant = scores(prices, teacher.schedule, battery)
             if got["valid"] != 1.0 or got != meant or reward != meant["grade"]:
                 raise ValueError(f"{task.id}: the transcript grades {got}, its schedule {meant}")
-            rule = scores(prices, greedy(task), battery)["grade"]
+            rule = baseline_scores(task.data)[1]["grade"]
             if teacher.edited:
                 edited.append((reward, rule))
             elif reward != rule:
