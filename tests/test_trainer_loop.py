@@ -231,11 +231,11 @@ def test_metrics_files_and_the_plot(tmp_path: Path) -> None:
                        "dropped/failed_rollout": step - 1})  # fmt: skip
     # A resumed run from step 1 drops what a crash left beyond it and knows what was evaluated.
     with MetricsWriter(tmp_path, tensorboard=False, resume_step=1) as resumed:
-        assert resumed.evaluated(0) and not resumed.evaluated(1)
+        assert resumed.evaluated_steps == {0}
         resumed.write({"step": 1, "kind": "eval", "eval/reward/mean": 0.3})
-        assert resumed.evaluated(1)
+        assert resumed.evaluated_steps == {0, 1}
     with MetricsWriter(tmp_path, tensorboard=False, resume_step=1) as again:
-        assert again.evaluated(1)  # kept: the resumed step's eval is not lost
+        assert again.evaluated_steps == {0, 1}  # kept: the resumed step's eval is not lost
     assert [line["step"] for line in read_metrics(tmp_path)] == [0, 1, 1]
     (tmp_path / "metrics.jsonl").write_text(
         "".join(json.dumps(line) + "\n" for line in read_metrics(tmp_path)[:2])

@@ -121,7 +121,7 @@ def train(config: Any, console: Any) -> list[dict[str, Any]]:
         gpus = 1 if config.model.device == "cuda" else 0
         lines: list[dict[str, Any]] = run_on_ray(run_training, config, None, num_gpus=gpus)
         return lines
-    if int(os.environ.get("RANK", "0")) != 0:  # a torchrun rank besides the leader
+    if _torchrun_follower():
         follower = Trainer(config, None, model_path=model_path(config))
         return asyncio.run(follower.run())
     return run_training(config, console)
@@ -188,6 +188,11 @@ def _overrides(args: argparse.Namespace, flags: Sequence[tuple[str, str]]) -> li
     return overrides
 
 
+def _torchrun_follower() -> bool:
+    """Whether this process is a torchrun rank besides the leader (rank 0)."""
+    return int(os.environ.get("RANK", "0")) != 0
+
+
 def _toml_string(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
@@ -207,7 +212,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
         print(f"corral sft: {exc}", file=sys.stderr)
         return 2
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex)")
-    if int(os.environ.get("RANK", "0")) != 0:  # a torchrun rank besides the leader: no display
+    if _torchrun_follower():  # no display: the leader shows the run
         try:
             run_sft(config)
         except (OSError, ValueError) as exc:

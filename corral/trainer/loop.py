@@ -241,7 +241,7 @@ class Trainer:
                 try:
                     while step < cfg.schedule.steps:
                         due = evaluating and step % cfg.schedule.eval_every == 0
-                        if due and not out.evaluated(step):
+                        if due and step not in out.evaluated_steps:
                             await self._evaluate(eval_player, step, version, out)
                         fill = pending or self._start_fill(draw, sampler)
                         pending = None
@@ -305,7 +305,7 @@ class Trainer:
                 finally:
                     if pending is not None:  # an error ended the run while a fill was running
                         pending.task.cancel()
-                if evaluating and not out.evaluated(step):
+                if evaluating and step not in out.evaluated_steps:
                     await self._evaluate(eval_player, step, version, out)
         return self.lines
 

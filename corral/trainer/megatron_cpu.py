@@ -125,12 +125,12 @@ _CURRENT_DEVICE_USERS: Final = (
     "megatron.core.tensor_parallel.mappings",
 )
 _RNG_MODULE: Final = "megatron.core.tensor_parallel.random"
-# megatron's seed arithmetic in model_parallel_cuda_manual_seed, so that a CPU run draws dropout
-# masks from streams seeded the way a GPU run's are.
 # How long a rank may wait for the leader's next command (command_group). A dead leader ends
 # a torchrun world anyway (its agent stops every rank), so this only has to outlast the
 # longest rollout phase.
 COMMAND_WAIT_S: Final = 24 * 3600.0
+# megatron's seed arithmetic in model_parallel_cuda_manual_seed, so that a CPU run draws dropout
+# masks from streams seeded the way a GPU run's are.
 _TP_SEED_OFFSET: Final = 2718
 _EXPERT_SEED_OFFSET: Final = 1024
 

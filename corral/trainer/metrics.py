@@ -83,7 +83,7 @@ class MetricsWriter:
     most the line being written) and, with ``tensorboard``, writes every numeric value as a
     scalar under ``<run_dir>/tensorboard``. A resumed run keeps appending; lines of steps
     beyond the checkpoint that a crash left are dropped first, so each step appears once.
-    :meth:`evaluated` says whether a step's eval line exists (kept or written), so a resumed
+    :attr:`evaluated_steps` are the steps with an eval line (kept or written), so a resumed
     run neither repeats nor loses the evaluation of the step it resumes from."""
 
     def __init__(self, run_dir: Path, *, tensorboard: bool = True, resume_step: int = 0) -> None:
@@ -115,10 +115,6 @@ class MetricsWriter:
                 if key != "step" and isinstance(value, int | float) and math.isfinite(value):
                     self._tb.add_scalar(key, value, step)
             self._tb.flush()
-
-    def evaluated(self, step: int) -> bool:
-        """Whether the file holds an eval line of ``step``."""
-        return step in self._evaluated
 
     @property
     def evaluated_steps(self) -> frozenset[int]:

@@ -7,6 +7,7 @@ each train on their share of a step's micro-batches. What a training step needs 
 megatron's own layers:
 
 - :func:`broadcast_objects`: rank 0's python objects (a step's groups) on every rank;
+  :func:`broadcast_command` the same on the channel a rank may wait on for hours;
 - :func:`data_parallel_share`: which of the step's micro-batches this replica trains on;
 - :func:`finish_gradients`: after the backward passes, the gradients every rank would have
   after one backward over the whole step: replicated parameters that each tensor-parallel rank
@@ -36,6 +37,7 @@ from corral.trainer.megatron_cpu import on_device
 
 __all__ = [
     "barrier",
+    "broadcast_command",
     "broadcast_objects",
     "clip_grad_norm",
     "data_parallel_rank",
@@ -101,30 +103,25 @@ def pipeline_parallel_size() -> int:
 
 
 @on_device
-def broadcast_objects(obj: T) -> T:
-    """``obj`` as global rank 0 has it, on every rank (picklable python objects; every rank
-    calls this, the others' ``obj`` is ignored: pass None). Identity without a process group."""
+def broadcast_objects(obj: T, *, group: Any = None) -> T:
+    """``obj`` as global rank 0 has it, on every rank of ``group`` (default: the world's
+    process group) (picklable python objects; every rank calls this, the others' ``obj`` is
+    ignored: pass None). Identity without a process group."""
     if not _distributed() or torch.distributed.get_world_size() == 1:
         return obj
     box = [obj]
     # With NCCL the pickled bytes travel through the current CUDA device (setup set it).
-    torch.distributed.broadcast_object_list(box, src=0)
+    torch.distributed.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
 def broadcast_command(obj: T) -> T:
     """:func:`broadcast_objects` for what a rank may wait long for (the leader's next command,
     sent after a rollout phase of any length): over ``megatron_cpu.command_group``, gloo with a
-    day's timeout, not the training collectives' group and timeout. Identity in a world of
-    one."""
+    day's timeout, not the training collectives' group and timeout."""
     from corral.trainer import megatron_cpu
 
-    group = megatron_cpu.command_group()
-    if group is None:
-        return obj
-    box = [obj]
-    torch.distributed.broadcast_object_list(box, src=0, group=group)
-    return box[0]
+    return broadcast_objects(obj, group=megatron_cpu.command_group())
 
 
 @on_device

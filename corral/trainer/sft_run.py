@@ -104,30 +104,27 @@ def run_sft(
         if leader:
             config.run_dir.mkdir(parents=True, exist_ok=True)
             (config.run_dir / "config.json").write_text(config.model_dump_json(indent=2) + "\n")
-        files = contextlib.ExitStack()
-        writer = (
-            files.enter_context(
-                MetricsWriter(config.run_dir, tensorboard=config.tensorboard, resume_step=step)
-            )
+        opened = (
+            MetricsWriter(config.run_dir, tensorboard=config.tensorboard, resume_step=step)
             if leader
-            else None
+            else contextlib.nullcontext()
         )
+        with opened as writer:
 
-        def emit(line: dict[str, Any]) -> None:
-            if writer is None:
-                return
-            writer.write(line)
-            lines.append(line)
-            if on_line is not None:
-                on_line(line)
+            def emit(line: dict[str, Any]) -> None:
+                if writer is None:
+                    return
+                writer.write(line)
+                lines.append(line)
+                if on_line is not None:
+                    on_line(line)
 
-        def evaluate() -> None:
-            result = sft_eval_loss(model, evals, settings)
-            evaluated.add(step)
-            emit({"step": step, "kind": "eval", "eval/loss": result["loss"],
-                  "eval/accuracy": result["accuracy"]})  # fmt: skip
+            def evaluate() -> None:
+                result = sft_eval_loss(model, evals, settings)
+                evaluated.add(step)
+                emit({"step": step, "kind": "eval", "eval/loss": result["loss"],
+                      "eval/accuracy": result["accuracy"]})  # fmt: skip
 
-        with files:
             # Evaluations are collective: every rank must agree on which are still to do.
             shared = parallel.broadcast_objects(writer.evaluated_steps if writer else None)
             evaluated = set(shared or ())

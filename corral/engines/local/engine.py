@@ -370,7 +370,7 @@ class _Worker:
         ):
             self._regroup(seqs)
         assert self._cache is not None
-        width = _kv(self._cache)[0][0].shape[2]
+        width = self._cache.get_seq_length()  # the left-padded KV's columns
         lens = torch.tensor(self._lens)
         # Row i's real KV occupies the last lens[i] columns; the new token goes at column width.
         cols = torch.arange(width + 1)
