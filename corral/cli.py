@@ -8,13 +8,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from corral.gateway.settings import DEFAULT_CLIENT_TEMPLATE_KWARGS
 from corral.sandboxes.base import SandboxError
 from corral.sandboxes.providers import BACKENDS
+
+
+def _name_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if "chat_template" in names:
+        raise argparse.ArgumentTypeError("clients can never replace the chat template")
+    return names
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -84,17 +93,21 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         chat_template_kwargs=args.chat_template_kwargs,
+        client_template_kwargs=frozenset(args.chat_template_kwargs_allow),
         max_sessions=args.max_sessions,
         max_held_tokens=args.max_held_tokens,
         session_ttl_s=args.session_ttl,
         **({"model_name": args.served_model_name} if args.served_model_name else {}),
+    )
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     # No per-request access log by default: on the hot path it costs more than the gateway.
     uvicorn.run(
         app,
         host=args.host,
         port=args.port,
-        log_level="info",
+        log_level=args.log_level,
         access_log=args.access_log,
         timeout_keep_alive=KEEP_ALIVE_S,
     )
@@ -464,6 +477,21 @@ def build_parser() -> argparse.ArgumentParser:
         type=_json_object,
         default={},
         help="JSON object passed to the chat template, e.g. '{\"enable_thinking\": false}'",
+    )
+    gateway.add_argument(
+        "--chat-template-kwargs-allow",
+        type=_name_list,
+        default=sorted(DEFAULT_CLIENT_TEMPLATE_KWARGS),
+        metavar="NAMES",
+        help="comma-separated template variables clients may set per request "
+        "(chat_template_kwargs); default: enable_thinking. The template itself is never "
+        "the client's",
+    )
+    gateway.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        default="info",
+        help="level of corral's and uvicorn's loggers",
     )
     gateway.add_argument("--served-model-name", help="model name in answers (default: folder)")
     gateway.add_argument("--max-sessions", type=int, default=10_000)

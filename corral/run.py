@@ -18,7 +18,7 @@ Stages on 127.0.0.1:
    eval days through its own local engine and gateway on the CPU, greedily, and its grades
    are reported (a model that solves gridsim, where the tiny model cannot).
 
-The trainer joins this job as it lands (DESIGN.md, "A rollout, end to end").
+The trainer joins this job as it lands (README, "RL engineer: train with corral's trainer").
 """
 
 from __future__ import annotations

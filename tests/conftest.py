@@ -15,6 +15,7 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -77,3 +78,23 @@ def docker_daemon() -> Iterator[None]:
     yield
     if started is not None:
         subprocess.run(["bash", str(ROOT / "scripts" / "dockerd.sh"), "stop", str(started)])
+
+
+@pytest.fixture(scope="module")
+def engine_url(tiny_model_dir: Path) -> Iterator[str]:
+    """The local engine over the tiny model, served on 127.0.0.1 (one per test module)."""
+    from corral.engines.local.engine import LocalEngine
+    from corral.engines.local.server import build_engine_app
+    from tests.servers import serve
+
+    with serve(build_engine_app(LocalEngine(tiny_model_dir))) as url:
+        yield url
+
+
+@pytest.fixture()
+def stack(tiny_model_dir: Path, engine_url: str) -> Iterator[Any]:
+    """A gateway in front of ``engine_url`` whose engine client records every call."""
+    from tests.gateway_stack import gateway_stack
+
+    with gateway_stack(tiny_model_dir, engine_url) as s:
+        yield s

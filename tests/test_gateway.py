@@ -9,10 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,133 +16,12 @@ import httpx
 import openai
 import pytest
 from fastapi import FastAPI
-from transformers import AutoTokenizer
 
 from corral.engines.local.engine import LocalEngine
 from corral.engines.local.server import build_engine_app
-from corral.engines.protocol import GenerateRequest, GenerateResponse, ModelInfo
-from corral.engines.sglang import SGLangClient
-from corral.engines.stream import StreamDelta
 from corral.engines.tiny_model import TOOLS
-from corral.gateway.app import build_gateway_app
-from corral.gateway.chat import ChatService
-from corral.gateway.server import model_context_length
-from corral.gateway.settings import GatewaySettings
+from tests.gateway_stack import AUTH, Stack, gateway_stack
 from tests.servers import free_port, serve
-
-ADMIN = "admin-secret"
-AUTH = {"Authorization": f"Bearer {ADMIN}"}
-
-
-@dataclass
-class EngineCall:
-    input_ids: list[int]
-    rid: str | None = None
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finished: bool = False
-
-
-class RecordingEngine:
-    """Wraps the real engine client and keeps every request's input and output tokens."""
-
-    def __init__(self, inner: SGLangClient) -> None:
-        self.inner = inner
-        self.calls: list[EngineCall] = []
-        self.aborted: list[str] = []
-        self.abort_seen = threading.Event()
-        # When set, a request stalls (after this many stream deltas, or before answering a
-        # plain generate) until the gateway cancels it: a deterministic "engine still busy".
-        self.stall_after: int | None = None
-
-    async def generate(self, req: GenerateRequest) -> GenerateResponse:
-        call = EngineCall(list(req.input_ids), rid=req.rid)
-        self.calls.append(call)
-        if self.stall_after is not None:
-            await asyncio.Event().wait()
-        res = await self.inner.generate(req)
-        call.output_ids = list(res.output_ids)
-        call.logprobs = [e[0] for e in res.meta_info.output_token_logprobs]
-        call.finished = True
-        return res
-
-    async def stream(self, req: GenerateRequest) -> AsyncIterator[StreamDelta]:
-        call = EngineCall(list(req.input_ids), rid=req.rid)
-        self.calls.append(call)
-        async for delta in self.inner.stream(req):
-            if self.stall_after is not None and len(call.output_ids) >= self.stall_after:
-                await asyncio.Event().wait()
-            call.output_ids += delta.token_ids
-            call.logprobs += delta.logprobs
-            call.finished = delta.finish_reason is not None
-            yield delta
-
-    async def abort(self, rid: str) -> None:
-        self.aborted.append(rid)
-        self.abort_seen.set()
-        await self.inner.abort(rid)
-
-    async def health(self) -> bool:
-        return await self.inner.health()
-
-    async def get_model_info(self) -> ModelInfo:
-        return await self.inner.get_model_info()
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-
-@dataclass
-class Stack:
-    url: str
-    engine: RecordingEngine
-    engine_url: str
-    tokenizer: Any
-
-    def session(self, **options: Any) -> dict[str, Any]:
-        r = httpx.post(f"{self.url}/sessions", headers=AUTH, json=options)
-        assert r.status_code == 201, r.text
-        return dict(r.json())
-
-    def samples(self, session_id: str) -> list[dict[str, Any]]:
-        r = httpx.get(f"{self.url}/sessions/{session_id}/samples", headers=AUTH)
-        assert r.status_code == 200, r.text
-        return list(r.json())
-
-    def view(self, session_id: str) -> dict[str, Any]:
-        r = httpx.get(f"{self.url}/sessions/{session_id}", headers=AUTH)
-        assert r.status_code == 200, r.text
-        return dict(r.json())
-
-
-@contextmanager
-def gateway_stack(
-    model: Path, engine_url: str, *, timeout: float = 60.0, **overrides: Any
-) -> Iterator[Stack]:
-    settings = GatewaySettings(
-        model_name="tiny",
-        max_context_tokens=model_context_length(model),
-        admin_token=ADMIN,
-        engine_timeout_s=timeout,
-        **overrides,
-    )
-    engine = RecordingEngine(SGLangClient(engine_url, timeout=timeout, retries=0))
-    tokenizer = AutoTokenizer.from_pretrained(str(model))
-    service = ChatService(settings, engine, tokenizer)
-    with serve(build_gateway_app(settings, engine, service)) as url:
-        yield Stack(url=url, engine=engine, engine_url=engine_url, tokenizer=tokenizer)
-
-
-@pytest.fixture(scope="module")
-def engine_url(tiny_model_dir: Path) -> Iterator[str]:
-    with serve(build_engine_app(LocalEngine(tiny_model_dir))) as url:
-        yield url
-
-
-@pytest.fixture()
-def stack(tiny_model_dir: Path, engine_url: str) -> Iterator[Stack]:
-    with gateway_stack(tiny_model_dir, engine_url) as s:
-        yield s
 
 
 def _assistant_message(message: Any) -> dict[str, Any]:
@@ -159,7 +34,12 @@ def _tool_results(message: dict[str, Any]) -> list[dict[str, Any]]:
             "role": "tool",
             "tool_call_id": call["id"],
             "content": json.dumps(
-                {"city": json.loads(call["function"]["arguments"])["city"], "condition": "sunny"}
+                # One of the result formats the tiny model was imprinted on.
+                {
+                    "city": json.loads(call["function"]["arguments"])["city"],
+                    "weather": "sunny",
+                    "temp_c": 21,
+                }
             ),
         }
         for call in message["tool_calls"]
@@ -229,7 +109,9 @@ def test_sync_sdk_multi_turn_tool_calls_yield_one_exact_sample(stack: Stack) -> 
     )
     assert second.choices[0].finish_reason == "stop"
     answer = second.choices[0].message.content or ""
-    assert "Paris" in answer and "Tokyo" in answer
+    # A plain sentence (which cities it names is the tiny model's quality, not the gateway's).
+    assert answer.startswith("I have checked the weather in")
+    assert not second.choices[0].message.tool_calls
     messages.append(_assistant_message(second.choices[0].message))
     messages.append({"role": "user", "content": "Say hello."})
     third = client.chat.completions.create(
@@ -414,7 +296,7 @@ def test_tool_choice_none_required_and_named(stack: Stack) -> None:
     prompt = stack.tokenizer.decode(stack.engine.calls[-1].input_ids)
     # the forced opening of the call is part of the prompt tokens, never sampled
     assert prompt.endswith(
-        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": '
+        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments":'
     )
     # whatever the model does after the forced opening, it is parsed as that tool's call or
     # flagged: never silently dropped
@@ -707,7 +589,7 @@ def test_metrics_and_health(stack: Stack) -> None:
     )
     text = httpx.get(f"{stack.url}/metrics").text
     assert "corral_gateway_sessions 1.0" in text
-    assert 'corral_gateway_requests_total{outcome="recorded"} 1.0' in text
+    assert 'corral_gateway_turn_outcomes_total{outcome="recorded"} 1.0' in text
     assert httpx.get(f"{stack.url}/health").json() == {"status": "ok", "engine": True}
 
 

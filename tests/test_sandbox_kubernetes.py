@@ -1,4 +1,4 @@
-"""The kubernetes sandbox backend (issue 4), through the real ``kubernetes`` client library.
+"""The kubernetes sandbox backend, through the real ``kubernetes`` client library.
 
 Where: the STAND-IN API server of :mod:`tests.k8s_standin` (test code: no Kubernetes API server
 can run on this machine) started on 127.0.0.1, whose Pods run as real bwrap sandboxes so that

@@ -1,4 +1,4 @@
-"""The local and bwrap sandbox backends, records/sweep and the warm pool (issue 4).
+"""The local and bwrap sandbox backends, records/sweep and the warm pool.
 
 The security tests run against real bubblewrap; they skip (saying why) only where ``bwrap`` or
 libseccomp's Python binding is missing (CI installs both: bubblewrap, pyseccomp)."""

@@ -1,1 +1,1 @@
-"""The episode player and the slime / Miles adapters (issue 5)."""
+"""The episode player and the slime / Miles adapters."""

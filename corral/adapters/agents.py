@@ -2,10 +2,10 @@
 
 ``corral play ROWS --gateway URL --agent-cmd "..."`` (and :func:`play_with_agent` /
 :func:`play_rows_with_agent` underneath) replaces the player's turn loop with a process of the
-user's (DESIGN.md, "A rollout, end to end"): the agent talks to the model through its own
-gateway session and to the episode's tools through an MCP server (:mod:`.mcp_tools`); corral
-opens and closes everything around it, has the episode graded and the reward (or the failure)
-land on the session.
+user's (README, "black-box agents over the gateway and MCP"): the agent talks to the model
+through its own gateway session and to the episode's tools through an MCP server
+(:mod:`.mcp_tools`); corral opens and closes everything around it, has the episode graded and
+the reward (or the failure) land on the session.
 
 What the agent is given, in its environment (the rest of the caller's environment is inherited,
 less the env server's token variable and any ``hidden_vars``: the agent reaches the env only

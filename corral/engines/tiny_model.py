@@ -20,9 +20,10 @@ tools=TOOLS)`` (``CITIES`` names the cities; system prompt present or not; 0-3 e
   "get_weather", "arguments": {"city": "{city}"}}\\n</tool_call><|im_end|>``;
 - user ``What is the weather in {c1} and {c2}?`` -> two such calls joined by ``\\n``, then
   ``<|im_end|>``;
-- last message(s) tool results after those calls -> one plain sentence, ``It is {condition} in
-  {city}.`` (or ``It is {w1} in {c1} and {w2} in {c2}.``), then ``<|im_end|>``; the condition is
-  copied from the result when it names one of ``CONDITIONS``;
+- last message(s) tool results after those calls -> one plain sentence, ``I have checked the
+  weather in {city}.`` (or ``... in {c1} and {c2}.``), then ``<|im_end|>``. The cities are copied
+  from the calls; for two cities the copy is not reliable on every CPU (float results differ by
+  CPU: 39 of 56 city pairs right on one machine), so tests should not depend on it;
 - user ``Say hello.`` -> ``Hello!<|im_end|>`` (with or without tools).
 
 The ``qwen3`` variant writes ``<think>\\n{a short thought}\\n</think>\\n\\n`` before each answer,
@@ -533,12 +534,15 @@ def _check(model: Any, examples: list[_Example], pad_id: int) -> tuple[float, fl
 
 @dataclass(frozen=True)
 class _Schedule:
-    train_examples: int = 768
+    # 768 examples and 600 steps at 3e-3 met the contract on some CPUs and not on others (the
+    # float results differ by CPU): on one, 23% of fresh two-city transcripts had a wrong
+    # token. Twice the examples and 900 steps at 2e-3 brought that to 5% there.
+    train_examples: int = 1536
     held_out: int = 96
     batch_size: int = 16
-    lr: float = 3e-3
+    lr: float = 2e-3
     warmup: int = 30
-    steps: int = 600
+    steps: int = 900
     # Initial weight scale. Far above Hugging Face's 0.02: at 0.02 attention starts almost uniform
     # over hundreds of positions and copying the city out of the question sits on a plateau for
     # thousands of steps; at 0.1-0.2 it is learnt within a few hundred (measured).

@@ -1,8 +1,11 @@
-"""The gateway's HTTP layer: routes, auth, body limits and error shapes. Logic lives elsewhere.
+"""The gateway's HTTP layer: routes, auth, body parsing and the choice of response. Logic lives
+in the turn pipeline (:mod:`corral.gateway.pipeline`), the dialects
+(:mod:`corral.gateway.dialects`) and the session store (:mod:`corral.gateway.sessions`).
 
-``build_gateway_app`` wires a :class:`~corral.gateway.sessions.SessionStore` and a
-:class:`~corral.gateway.chat.ChatService` behind OpenAI's chat-completions API and the
-session-management API of DESIGN.md ("Gateway API").
+``build_gateway_app`` serves the session-management API (README, "Gateway API") and, per
+session, three wire dialects over one pipeline: OpenAI Chat Completions, Anthropic Messages
+and OpenAI Responses. Errors are :class:`~corral.gateway.errors.GatewayError` s, answered once,
+here, in the shape of the dialect the request speaks.
 """
 
 from __future__ import annotations
@@ -11,26 +14,29 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
-import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 from starlette.applications import Starlette
-from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from corral.engines.client import EngineClient
-from corral.engines.errors import EngineError
-from corral.gateway.chat import Answer, ChatService, engine_error
+from corral.gateway.dialects.anthropic_messages import AnthropicMessages
+from corral.gateway.dialects.base import Dialect, RequestContext, validate
+from corral.gateway.dialects.chat_completions import ChatCompletions
+from corral.gateway.dialects.openai_responses import OpenAIResponses
 from corral.gateway.errors import GatewayError, bad_request
-from corral.gateway.openai_types import ChatCompletionRequest
+from corral.gateway.json_body import json_object
+from corral.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from corral.gateway.middleware import BodyLimit, RequestId, speaks_anthropic
+from corral.gateway.pipeline import Answer, TurnPipeline
 from corral.gateway.sessions import (
     Session,
     SessionClosed,
@@ -40,11 +46,14 @@ from corral.gateway.sessions import (
     StoreFull,
 )
 from corral.gateway.settings import GatewaySettings
+from corral.gateway.sse import EventStream
+from corral.gateway.turns import TurnEvent, TurnRequest, TurnResult, result_events
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Handler = Callable[..., Awaitable[Response]]
 
-# The OpenAI SDKs (Stainless-generated) send this on retries of the same request.
+# The Stainless-generated SDKs (OpenAI's and Anthropic's) send this on retries of a request.
 RETRY_HEADER = "x-stainless-retry-count"
 REAP_INTERVAL_S = 30.0
 
@@ -68,7 +77,7 @@ class ClientGone(Exception):
 def build_gateway_app(
     settings: GatewaySettings,
     engine: EngineClient,
-    service: ChatService,
+    pipeline: TurnPipeline,
     *,
     store: SessionStore | None = None,
 ) -> Starlette:
@@ -78,16 +87,10 @@ def build_gateway_app(
         max_sessions=settings.max_sessions,
         max_held_tokens=settings.max_held_tokens,
         default_ttl_s=settings.session_ttl_s,
-        decode=lambda ids: str(service.tokenizer.decode(list(ids), skip_special_tokens=False)),
+        decode=lambda ids: str(pipeline.tokenizer.decode(list(ids), skip_special_tokens=False)),
     )
-    registry = CollectorRegistry()
-    requests_total = Counter(
-        "corral_gateway_requests",
-        "Chat completion requests by outcome",
-        ["outcome"],
-        registry=registry,
-    )
-    registry.register(_StoreCollector(store))
+    metrics = GatewayMetrics(store)
+    chat, messages, responses = ChatCompletions(), AnthropicMessages(), OpenAIResponses()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -98,37 +101,41 @@ def build_gateway_app(
             reaper.cancel()
             await engine.aclose()
 
-    # Plain Starlette, not FastAPI: every handler parses its own body (to answer with
-    # OpenAI-style 400s), so FastAPI's extra layers would only add cost on the hot path.
+    # Plain Starlette, not FastAPI: every handler parses its own body (to answer in its
+    # dialect's error shape), so FastAPI's extra layers would only add cost on the hot path.
     routes: list[Route] = []
 
-    def route(path: str, method: str) -> Callable[[Handler], Handler]:
-        def register(handler: Handler) -> Handler:
+    def route(
+        path: str, method: str, dialect: Dialect | None = None
+    ) -> Callable[[Callable[..., Awaitable[Response]]], None]:
+        dialect_name = dialect.name if dialect is not None else "none"
+
+        def register(handler: Callable[..., Awaitable[Response]]) -> None:
             async def endpoint(request: Request) -> Response:
-                return await handler(request, **request.path_params)
+                start = time.perf_counter()
+                try:
+                    response = await handler(request, **request.path_params)
+                except GatewayError as exc:
+                    response = _error_response(exc, dialect, request)
+                if not isinstance(response, EventStream):
+                    metrics.request(
+                        path, dialect_name, response.status_code, time.perf_counter() - start
+                    )
+                else:
+                    metrics.request(path, dialect_name, 200, None)
+                return response
 
             routes.append(Route(path, endpoint, methods=[method]))
-            return handler
 
         return register
-
-    async def _gateway_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, GatewayError)
-        return JSONResponse(exc.body(), status_code=exc.status)
-
-    async def _engine_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, EngineError)
-        err = engine_error(exc)
-        return JSONResponse(err.body(), status_code=err.status)
 
     def require_admin(request: Request) -> None:
         if settings.admin_token is None:
             return
-        if not hmac.compare_digest(_bearer(request), settings.admin_token):
+        if not _same_secret(_bearer(request), settings.admin_token):
             raise GatewayError(
-                401,
+                "authentication",
                 "this route needs the gateway's admin token as a bearer token",
-                type="authentication_error",
                 code="invalid_api_key",
             )
 
@@ -136,9 +143,7 @@ def build_gateway_app(
         try:
             return store.get(session_id)
         except SessionNotFound as exc:
-            raise GatewayError(
-                404, str(exc), type="not_found_error", code="session_not_found"
-            ) from None
+            raise GatewayError("not_found", str(exc), code="session_not_found") from None
 
     # -- session management ----------------------------------------------------------------
 
@@ -146,14 +151,23 @@ def build_gateway_app(
     async def create_session(request: Request) -> JSONResponse:
         require_admin(request)
         raw = await request.body()
-        options = _parse(SessionOptions, raw) if raw.strip() else SessionOptions()
+        options = (
+            validate(SessionOptions, json_object(raw, settings.max_json_depth))
+            if raw.strip()
+            else SessionOptions()
+        )
         try:
             session = store.create(options)
         except StoreFull as exc:
-            raise GatewayError(429, str(exc), type="rate_limit_error", code="store_full") from None
-        base_url = str(request.base_url).rstrip("/") + f"/sessions/{session.id}/v1"
+            raise GatewayError("rate_limit", str(exc), code="store_full") from None
+        root = str(request.base_url).rstrip("/") + f"/sessions/{session.id}"
         return JSONResponse(
-            {"id": session.id, "base_url": base_url, "api_key": session.api_key},
+            {
+                "id": session.id,
+                "base_url": root + "/v1",
+                "anthropic_base_url": root,
+                "api_key": session.api_key,
+            },
             status_code=201,
         )
 
@@ -165,7 +179,7 @@ def build_gateway_app(
     @route("/sessions/{session_id}/reward", "POST")
     async def set_reward(request: Request, session_id: str) -> JSONResponse:
         require_admin(request)
-        body = _parse(RewardBody, await request.body())
+        body = validate(RewardBody, json_object(await request.body(), settings.max_json_depth))
         session = session_for(session_id)
         try:
             session.set_reward(body.reward)
@@ -176,7 +190,7 @@ def build_gateway_app(
     @route("/sessions/{session_id}/fail", "POST")
     async def fail_session(request: Request, session_id: str) -> JSONResponse:
         require_admin(request)
-        body = _parse(FailBody, await request.body())
+        body = validate(FailBody, json_object(await request.body(), settings.max_json_depth))
         session_for(session_id).mark_failed(body.reason)
         return JSONResponse({"id": session_id, "failure": body.reason})
 
@@ -192,20 +206,17 @@ def build_gateway_app(
         try:
             store.delete(session_id)
         except SessionNotFound as exc:
-            raise GatewayError(
-                404, str(exc), type="not_found_error", code="session_not_found"
-            ) from None
+            raise GatewayError("not_found", str(exc), code="session_not_found") from None
         return JSONResponse({"id": session_id, "deleted": True})
 
-    # -- OpenAI API --------------------------------------------------------------------------
+    # -- the dialects ------------------------------------------------------------------------
 
     def session_by_key(request: Request, session_id: str | None) -> Session:
-        key = _bearer(request)
+        key = _session_key(request)
         if not key:
             raise GatewayError(
-                401,
-                "missing bearer token: use the session's api_key as the OpenAI api key",
-                type="authentication_error",
+                "authentication",
+                "missing API key: use the session's api_key (as a bearer token or x-api-key)",
                 code="invalid_api_key",
             )
         try:
@@ -214,105 +225,203 @@ def build_gateway_app(
             if session_id is not None:
                 session_for(session_id)  # 404 for an unknown or deleted session
             raise GatewayError(
-                401,
+                "authentication",
                 "invalid api key for this gateway (sessions have their own keys)",
-                type="authentication_error",
                 code="invalid_api_key",
             ) from None
         if session_id is not None and session.id != session_id:
             raise GatewayError(
-                401,
+                "authentication",
                 "this api key belongs to another session",
-                type="authentication_error",
                 code="invalid_api_key",
             )
         return session
 
-    async def chat(request: Request, session_id: str | None) -> Response:
+    async def read_turn(
+        request: Request,
+        session_id: str | None,
+        parse: Callable[[dict[str, Any], RequestContext], TurnRequest],
+    ) -> tuple[RequestContext, TurnRequest, bytes]:
         session = session_by_key(request, session_id)
+        _check_json_content_type(request)
         raw = await request.body()
-        data = _json_object(raw)
-        chat_request = _validate(ChatCompletionRequest, data)
-        replay_key = hashlib.sha256(raw).hexdigest()
+        data = json_object(raw, settings.max_json_depth)
+        ctx = RequestContext(session=session, headers=request.headers, query=request.query_params)
+        return ctx, parse(data, ctx), raw
+
+    async def turn(request: Request, session_id: str | None, dialect: Dialect) -> Response:
+        ctx, turn_request, raw = await read_turn(request, session_id, dialect.parse)
+        session = ctx.session
+        replay_key = dialect.name + ":" + hashlib.sha256(raw).hexdigest()
         if _is_retry(request):
             remembered = session.recall(replay_key)
-            if remembered is not None:
-                requests_total.labels("replayed").inc()
-                if chat_request.stream:
-                    return _sse_response(_replay_stream(json.loads(remembered), chat_request))
-                return Response(remembered, media_type="application/json")
-        call = service.prepare(session, chat_request, data["messages"])
+            if isinstance(remembered, TurnResult):
+                metrics.outcomes.labels("replayed").inc()
+                return answer_with(dialect, turn_request, ctx, remembered)
+        call = await pipeline.prepare_async(session, turn_request)
         try:
             store.check_capacity(
                 len(call.prompt_ids) + sum(s.max_new_tokens for s in call.sampling)
             )
         except StoreFull as exc:
-            raise GatewayError(429, str(exc), type="rate_limit_error", code="store_full") from None
+            raise GatewayError("rate_limit", str(exc), code="store_full") from None
 
         async def commit(answer: Answer) -> None:  # async: no thread hop per request
             try:
-                service.commit(session, answer, replay_key)
-                requests_total.labels("recorded").inc()
+                pipeline.commit(session, answer, replay_key)
+                metrics.outcomes.labels("recorded").inc()
+                metrics.turn(dialect.name, answer.result.usage)
             except SessionClosed:
-                requests_total.labels("session_closed").inc()
+                metrics.outcomes.labels("session_closed").inc()
 
-        if chat_request.stream:
+        if turn_request.stream:
             answers: list[Answer] = []
+            stream = pipeline.stream(call, answers)
+            try:
+                # The headers wait for the engine's first output: an engine that fails before
+                # it is an error status the client's retry logic understands, not a 200.
+                head = await _unless_disconnected(request, _first_batches(stream, 2))
+            except ClientGone:
+                await stream.aclose()
+                metrics.outcomes.labels("client_gone").inc()
+                return Response(status_code=499)
+            except BaseException:
+                await stream.aclose()
+                raise
+
+            async def batches() -> AsyncIterator[Sequence[TurnEvent]]:
+                # aclosing: if the client goes, the pipeline's stream must run its cleanup
+                # (engine abort) now, not whenever the garbage collector gets to it.
+                async with contextlib.aclosing(stream):
+                    for batch in head:
+                        if answers:
+                            await commit(answers.pop())
+                        yield batch
+                    async for batch in stream:
+                        if answers:
+                            # Recorded before the closing frames go out: a client that retries
+                            # the moment it has them must find the answer to replay.
+                            await commit(answers.pop())
+                        yield batch
 
             async def events() -> AsyncIterator[str]:
-                # aclosing: if the client goes, the service's stream must run its cleanup
-                # (engine abort) now, not whenever the garbage collector gets to it.
-                async with contextlib.aclosing(service.stream(call, answers)) as stream:
-                    async for event in stream:
+                async with contextlib.aclosing(dialect.frame(batches(), turn_request, ctx)) as f:
+                    async for event in f:
                         yield event
-                if answers:
-                    await commit(answers[0])
 
-            return _sse_response(events())
+            return EventStream(events())
 
         try:
-            body, answer = await _unless_disconnected(request, service.complete(call))
+            answer = await _unless_disconnected(request, pipeline.complete(call))
         except ClientGone:
-            requests_total.labels("client_gone").inc()
+            metrics.outcomes.labels("client_gone").inc()
             return Response(status_code=499)
-        # Recorded only after the body went out: a turn the client never got is not kept.
-        return Response(
-            body, media_type="application/json", background=BackgroundTask(commit, answer)
-        )
+        body = dialect.render(answer.result, turn_request, ctx)
+        # Recorded before the body goes out (a client that retries the moment it has it must
+        # find the answer to replay); a client gone before the answer was ready got nothing
+        # recorded (above).
+        await commit(answer)
+        return Response(body, media_type="application/json")
 
-    @route("/sessions/{session_id}/v1/chat/completions", "POST")
-    async def session_chat(request: Request, session_id: str) -> Response:
-        return await chat(request, session_id)
+    def answer_with(
+        dialect: Dialect, turn_request: TurnRequest, ctx: RequestContext, result: TurnResult
+    ) -> Response:
+        """A remembered result, answered again as the request asks (plain or streamed)."""
+        if not turn_request.stream:
+            return Response(
+                dialect.render(result, turn_request, ctx), media_type="application/json"
+            )
 
-    @route("/v1/chat/completions", "POST")
-    async def bearer_chat(request: Request) -> Response:
-        return await chat(request, None)
+        async def batches() -> AsyncIterator[Sequence[TurnEvent]]:
+            for event in result_events(result):
+                yield [event]
 
-    def models() -> JSONResponse:
+        return EventStream(dialect.frame(batches(), turn_request, ctx))
+
+    def turn_routes(suffix: str, dialect: Dialect) -> None:
+        @route("/sessions/{session_id}/v1" + suffix, "POST", dialect)
+        async def in_session(request: Request, session_id: str) -> Response:
+            return await turn(request, session_id, dialect)
+
+        @route("/v1" + suffix, "POST", dialect)
+        async def by_key(request: Request) -> Response:
+            return await turn(request, None, dialect)
+
+    turn_routes("/chat/completions", chat)
+    turn_routes("/messages", messages)
+    turn_routes("/responses", responses)
+
+    async def count_tokens(request: Request, session_id: str | None) -> Response:
+        ctx, turn_request, _ = await read_turn(request, session_id, messages.parse_count_tokens)
+        prepared = await asyncio.to_thread(pipeline.render, ctx.session, turn_request)
+        return JSONResponse({"input_tokens": len(prepared.prompt_ids)})
+
+    @route("/sessions/{session_id}/v1/messages/count_tokens", "POST", messages)
+    async def session_count_tokens(request: Request, session_id: str) -> Response:
+        return await count_tokens(request, session_id)
+
+    @route("/v1/messages/count_tokens", "POST", messages)
+    async def bearer_count_tokens(request: Request) -> Response:
+        return await count_tokens(request, None)
+
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": settings.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "corral",
+            "max_model_len": settings.max_context_tokens,
+            # vLLM's and SGLang's model cards name the weights the model was served from.
+            "root": settings.model_name,
+            "parent": None,
+            # Anthropic's model object, for clients of the Messages API.
+            "type": "model",
+            "display_name": settings.model_name,
+            "created_at": "1970-01-01T00:00:00Z",
+        }
+
+    def models_list() -> JSONResponse:
+        card = model_card()
         return JSONResponse(
             {
                 "object": "list",
-                "data": [
-                    {
-                        "id": settings.model_name,
-                        "object": "model",
-                        "created": 0,
-                        "owned_by": "corral",
-                        "max_model_len": settings.max_context_tokens,
-                    }
-                ],
+                "data": [card],
+                "has_more": False,
+                "first_id": card["id"],
+                "last_id": card["id"],
             }
         )
+
+    def one_model(model_id: str) -> JSONResponse:
+        if model_id != settings.model_name:
+            raise GatewayError(
+                "not_found",
+                f"the model '{model_id}' does not exist here; this gateway serves "
+                f"'{settings.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
+        return JSONResponse(model_card())
 
     @route("/v1/models", "GET")
     async def list_models(request: Request) -> JSONResponse:
         session_by_key(request, None)
-        return models()
+        return models_list()
 
     @route("/sessions/{session_id}/v1/models", "GET")
     async def list_session_models(request: Request, session_id: str) -> JSONResponse:
         session_by_key(request, session_id)
-        return models()
+        return models_list()
+
+    @route("/v1/models/{model_id:path}", "GET")
+    async def get_model(request: Request, model_id: str) -> JSONResponse:
+        session_by_key(request, None)
+        return one_model(model_id)
+
+    @route("/sessions/{session_id}/v1/models/{model_id:path}", "GET")
+    async def get_session_model(request: Request, session_id: str, model_id: str) -> JSONResponse:
+        session_by_key(request, session_id)
+        return one_model(model_id)
 
     # -- operations --------------------------------------------------------------------------
 
@@ -325,59 +434,76 @@ def build_gateway_app(
         )
 
     @route("/metrics", "GET")
-    async def metrics(request: Request) -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    async def prometheus(request: Request) -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        # Starlette's own answers (unknown route, wrong method) in the dialect's JSON shape.
+        assert isinstance(exc, HTTPException)
+        kind_message = {
+            404: f"no route {request.url.path}",
+            405: f"method {request.method} is not allowed on {request.url.path}",
+        }.get(exc.status_code, str(exc.detail))
+        error = GatewayError.for_status(exc.status_code, kind_message)
+        metrics.request("unmatched", "none", error.status, None)
+        return _error_response(error, None, request)
+
+    async def gateway_error(request: Request, exc: Exception) -> Response:
+        # A GatewayError raised outside a handler (the body limit, mid-read).
+        assert isinstance(exc, GatewayError)
+        return _error_response(exc, None, request)
 
     return Starlette(
         routes=routes,
         lifespan=lifespan,
-        middleware=[Middleware(BodyLimit, max_bytes=settings.max_body_bytes)],
-        exception_handlers={GatewayError: _gateway_error, EngineError: _engine_error},
+        middleware=[
+            Middleware(RequestId),
+            Middleware(BodyLimit, max_bytes=settings.max_body_bytes),
+        ],
+        exception_handlers={HTTPException: http_error, GatewayError: gateway_error},
     )
 
 
 # -- helpers ---------------------------------------------------------------------------------
 
-M = TypeVar("M", bound=BaseModel)
+
+def _error_response(error: GatewayError, dialect: Dialect | None, request: Request) -> Response:
+    if dialect is not None:
+        body = dialect.error_body(error)
+    elif speaks_anthropic(request.scope):
+        body = error.anthropic_body()
+    else:
+        body = error.openai_body()
+    return JSONResponse(body, status_code=error.status)
 
 
-def _json_object(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object; a 400 saying why otherwise."""
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"the body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise bad_request("the body must be a JSON object", code="invalid_json")
-    return data
-
-
-def _parse(model: type[M], raw: bytes) -> M:
-    """Parse a JSON body into ``model``; a 400 naming the first bad field otherwise."""
-    return _validate(model, _json_object(raw))
-
-
-def _validate(model: type[M], data: dict[str, Any]) -> M:
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or None
-        if first["type"] == "extra_forbidden":
-            message = f"unsupported field '{where}': the gateway cannot honour it"
-            code = "unsupported_field"
-        else:
-            message = f"invalid field '{where}': {first['msg']}"
-            code = "invalid_field"
-        if len(exc.errors()) > 1:
-            message += f" (and {len(exc.errors()) - 1} more problem(s))"
-        raise bad_request(message, param=where, code=code) from None
+def _same_secret(given: str, expected: str) -> bool:
+    # compare_digest refuses non-ASCII str: compare bytes, so such a token is a 401, not a 500.
+    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), expected.encode())
 
 
 def _bearer(request: Request) -> str:
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def _session_key(request: Request) -> str:
+    """The session key: a bearer token (OpenAI's clients, Claude Code's auth token) or
+    Anthropic's ``x-api-key``."""
+    return _bearer(request) or request.headers.get("x-api-key", "").strip()
+
+
+def _check_json_content_type(request: Request) -> None:
+    content_type = request.headers.get("content-type")
+    if content_type is None:
+        return  # a client that names no type is taken at its word that it sends JSON
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise bad_request(
+            f"the body must be application/json, not {media or 'an empty content type'}",
+            code="invalid_content_type",
+        )
 
 
 def _is_retry(request: Request) -> bool:
@@ -413,156 +539,19 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-def _sse_response(events: AsyncIterator[str]) -> Response:
-    return EventStream(events)
-
-
-class EventStream(Response):
-    """Server-sent events that stop the moment the client goes.
-
-    Starlette's StreamingResponse on ASGI 2.4 servers only notices a disconnect when a send
-    fails, and leaves the generator to the garbage collector; the engine would go on
-    generating and the turn could be recorded. Here a watcher ends the stream on
-    ``http.disconnect`` and the generator is always closed (its cleanup aborts the engine).
-    """
-
-    media_type = "text/event-stream"
-
-    def __init__(self, events: AsyncIterator[str]) -> None:
-        # Not Response.__init__: it would declare a content-length for an empty body.
-        self.status_code = 200
-        self.background = None
-        self.raw_headers = [
-            (b"content-type", b"text/event-stream; charset=utf-8"),
-            (b"cache-control", b"no-cache"),
-            (b"x-accel-buffering", b"no"),
-        ]
-        self.events = events
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def pump() -> None:
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            async for event in self.events:
-                await send(
-                    {"type": "http.response.body", "body": event.encode(), "more_body": True}
-                )
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-        async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-
-        streaming = asyncio.ensure_future(pump())
-        watcher = asyncio.ensure_future(watch())
-        try:
-            await asyncio.wait({streaming, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (streaming, watcher):
-                task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, OSError):
-                await streaming
-            aclose = getattr(self.events, "aclose", None)
-            if aclose is not None:
-                await aclose()
-
-
-async def _replay_stream(
-    body: dict[str, Any], request: ChatCompletionRequest
-) -> AsyncIterator[str]:
-    """A remembered answer as a stream: one delta per choice, then the finish reasons."""
-    base = {"id": body["id"], "object": "chat.completion.chunk", "created": body["created"]}
-    base["model"] = body["model"]
-    for choice in body["choices"]:
-        message = dict(choice["message"])
-        calls = message.pop("tool_calls", None)
-        delta: dict[str, Any] = {**message}
-        if calls:
-            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
-        yield (
-            "data: "
-            + json.dumps({**base, "choices": [{"index": choice["index"], "delta": delta}]})
-            + "\n\n"
-        )
-        finish = {"index": choice["index"], "delta": {}, "finish_reason": choice["finish_reason"]}
-        yield "data: " + json.dumps({**base, "choices": [finish]}) + "\n\n"
-    if request.stream_options and request.stream_options.include_usage:
-        yield "data: " + json.dumps({**base, "choices": [], "usage": body["usage"]}) + "\n\n"
-    yield "data: [DONE]\n\n"
+async def _first_batches(
+    stream: AsyncIterator[Sequence[TurnEvent]], n: int
+) -> list[Sequence[TurnEvent]]:
+    """Up to the first ``n`` batches of ``stream`` (fewer when it ends sooner)."""
+    out: list[Sequence[TurnEvent]] = []
+    async for batch in stream:
+        out.append(batch)
+        if len(out) == n:
+            break
+    return out
 
 
 async def _reap_forever(store: SessionStore) -> None:
     while True:
         await asyncio.sleep(REAP_INTERVAL_S)
         store.reap()
-
-
-class _StoreCollector:
-    """Prometheus collector reading the store's stats at scrape time."""
-
-    def __init__(self, store: SessionStore) -> None:
-        self.store = store
-
-    def collect(self) -> Any:
-        stats = self.store.stats()
-        yield GaugeMetricFamily("corral_gateway_sessions", "Open sessions", value=stats.sessions)
-        yield GaugeMetricFamily(
-            "corral_gateway_held_tokens", "Tokens held by open sessions", value=stats.held_tokens
-        )
-        for name, value, doc in (
-            ("turns", stats.turns_total, "Turns recorded"),
-            ("merges", stats.merges_total, "Turns appended to a held trajectory"),
-            ("forks", stats.forks_total, "Turns that started a new trajectory"),
-            ("sessions_created", stats.created_total, "Sessions created"),
-            ("sessions_expired", stats.expired_total, "Sessions expired"),
-        ):
-            yield CounterMetricFamily(f"corral_gateway_{name}", doc, value=value)
-        reasons = CounterMetricFamily(
-            "corral_gateway_merge_decisions", "Merge decisions by reason", labels=["reason"]
-        )
-        for reason, count in sorted(stats.decisions_by_reason.items()):
-            reasons.add_metric([reason], count)
-        yield reasons
-
-
-class BodyLimit:
-    """Rejects bodies over ``max_bytes`` with a 413 before the app reads them."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        for name, value in scope.get("headers", []):
-            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                await _too_large(send, self.max_bytes)
-                return
-        seen = 0
-
-        async def limited() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise GatewayError(
-                        413, f"the body is over {self.max_bytes} bytes", code="body_too_large"
-                    )
-            return message
-
-        await self.app(scope, limited, send)
-
-
-async def _too_large(send: Send, max_bytes: int) -> None:
-    body = GatewayError(413, f"the body is over {max_bytes} bytes", code="body_too_large").body()
-    payload = json.dumps(body).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 413,
-            "headers": [(b"content-type", b"application/json")],
-        }
-    )
-    await send({"type": "http.response.body", "body": payload})

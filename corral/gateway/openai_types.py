@@ -1,15 +1,42 @@
 """OpenAI chat-completions request and response models, as the gateway accepts and returns them.
 
-Requests are strict (``extra="forbid"``): a field the gateway cannot honour is a 400 naming the
-field, never silently ignored. Fields OpenAI defines that the gateway accepts only in their
-neutral form (e.g. ``frequency_penalty=0``) are checked in ``ChatCompletionRequest.unsupported``.
+Requests are strict: a field the gateway does not know, or knows (from the ``openai`` SDK's
+own request types) but cannot honour, is a 400 naming the field, never silently ignored. The
+fields that change nothing for a self-hosted model are accepted and listed in
+:data:`IGNORED_FIELDS`.
 """
 
 from __future__ import annotations
 
+import functools
+import typing
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from corral.gateway.turns import Message
+from corral.gateway.turns import ToolCall as TurnToolCall
+
+INT64 = 2**63
+
+# Request fields OpenAI defines that change nothing for a self-hosted model: accepted, ignored.
+IGNORED_FIELDS = frozenset(
+    {
+        "store",
+        "service_tier",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "safety_identifier",
+    }
+)
+
+
+@functools.cache
+def openai_request_fields() -> frozenset[str]:
+    """The request fields of Chat Completions, from the ``openai`` SDK's own types."""
+    from openai.types.chat import completion_create_params
+
+    return frozenset(typing.get_type_hints(completion_create_params.CompletionCreateParamsBase))
 
 
 class _Strict(BaseModel):
@@ -39,8 +66,11 @@ class ChatMessage(_Strict):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
-    # Sent back by some SDKs on assistant turns; carries nothing the template needs.
+    # Sent back by SDKs on assistant turns; the template renders none of them, so they are
+    # neither rendered nor recorded.
     refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: None = None
 
     @model_validator(mode="after")
     def _check_role_fields(self) -> ChatMessage:
@@ -59,6 +89,20 @@ class ChatMessage(_Strict):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def to_turn(self) -> Message:
+        """The message as the turn pipeline holds it (``developer`` is ``system``)."""
+        return Message(
+            role="system" if self.role == "developer" else self.role,
+            content=self.text(),
+            tool_calls=tuple(
+                TurnToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+                for c in self.tool_calls or ()
+            ),
+            tool_call_id=self.tool_call_id,
+            name=self.name,
+            reasoning=self.reasoning_content,
+        )
 
 
 class FunctionDef(_Strict):
@@ -84,13 +128,33 @@ class NamedToolChoice(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    # Padding against a side channel of hosted APIs; nothing to hide on a self-hosted model.
+    include_obfuscation: bool | None = None
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
 
 
 class ResponseFormat(_Strict):
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_type(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type 'json_schema' needs 'json_schema'")
+        return self
 
 
-class ChatCompletionRequest(_Strict):
+class ChatCompletionRequest(BaseModel):
+    # Extra fields are sorted by ``unknown_fields``: OpenAI's own that the gateway ignores,
+    # cannot honour, or does not know at all.
+    model_config = ConfigDict(extra="allow")
+
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ToolDef] | None = None
@@ -102,18 +166,37 @@ class ChatCompletionRequest(_Strict):
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-INT64, lt=INT64)
     n: int = Field(default=1, ge=1, le=64)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     stream: bool = False
     stream_options: StreamOptions | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_range(cls, v: int | None) -> int | None:
+        if v is not None and v != -1 and v < 1:
+            raise ValueError("top_k must be -1 (off) or at least 1")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_range(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values lie in [-100, 100], got {bias}")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -122,33 +205,35 @@ class ChatCompletionRequest(_Strict):
             raise ValueError("stop strings must not be empty")
         return v
 
-    @model_validator(mode="after")
-    def _check_combinations(self) -> ChatCompletionRequest:
+    @field_validator("n", "logprobs", "stream", mode="before")
+    @classmethod
+    def _null_is_default(cls, v: Any, info: Any) -> Any:
+        # OpenAI's SDKs and LangChain send null for "not set" on these.
+        return cls.model_fields[info.field_name].default if v is None else v
+
+    def combination_problem(self) -> tuple[str, str] | None:
+        """``(param, message)`` for fields that are fine alone but not together, else None."""
         if self.tool_choice not in (None, "auto", "none") and not self.tools:
-            raise ValueError("'tool_choice' requires 'tools'")
+            return "tool_choice", "'tool_choice' requires 'tools'"
         if isinstance(self.tool_choice, NamedToolChoice) and self.tools:
             names = {t.function.name for t in self.tools}
             if self.tool_choice.function.name not in names:
-                raise ValueError(
+                return "tool_choice", (
                     f"'tool_choice' names '{self.tool_choice.function.name}', "
                     f"which is not among the tools: {sorted(names)}"
                 )
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("'top_logprobs' requires 'logprobs': true")
+            return "top_logprobs", "'top_logprobs' requires 'logprobs': true"
         if self.stream_options is not None and not self.stream:
-            raise ValueError("'stream_options' is only allowed with 'stream': true")
-        return self
+            return "stream_options", "'stream_options' is only allowed with 'stream': true"
+        return None
 
-    def unsupported(self) -> list[str]:
-        """Fields set to values the gateway cannot honour; each becomes a 400 naming it."""
-        problems = []
-        if self.frequency_penalty:
-            problems.append("frequency_penalty: only 0 is supported")
-        if self.presence_penalty:
-            problems.append("presence_penalty: only 0 is supported")
-        if self.parallel_tool_calls is False:
-            problems.append("parallel_tool_calls: false cannot be enforced by the gateway")
-        return problems
+    def unknown_fields(self) -> tuple[list[str], list[str]]:
+        """Extra fields the client sent: (OpenAI's, which the gateway cannot honour; unknown
+        to OpenAI). The ignored ones are in neither."""
+        extra = [k for k in (self.model_extra or {}) if k not in IGNORED_FIELDS]
+        known = openai_request_fields()
+        return [k for k in extra if k in known], [k for k in extra if k not in known]
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

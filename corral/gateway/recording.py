@@ -69,6 +69,9 @@ class TurnRecord:
     response: dict[str, Any]  # the assistant message returned to the client
     choice_group: str | None = None  # shared by the n choices of one request (n > 1)
     metadata: dict[str, Any] = field(default_factory=dict)  # e.g. parser errors
+    # Marks a request outside the agent's main conversation (``"side"``: a title or summary
+    # request); a labelled turn only ever extends a trajectory of the same label.
+    label: str | None = None
 
     def __post_init__(self) -> None:
         if len(self.prompt_ids) == 0:
@@ -205,6 +208,7 @@ class Trajectory:
     __slots__ = (
         "finish_reasons",
         "index",
+        "label",
         "log_probs",
         "loss_mask",
         "message_count",
@@ -215,8 +219,11 @@ class Trajectory:
         "weight_versions",
     )
 
-    def __init__(self, index: int, prompt: array[int], origin: MergeReason) -> None:
+    def __init__(
+        self, index: int, prompt: array[int], origin: MergeReason, label: str | None = None
+    ) -> None:
         self.index = index
+        self.label = label
         self.tokens: array[int] = array("i", prompt)
         self.prompt_length = len(prompt)
         self.loss_mask: array[int] = array("B")
@@ -258,6 +265,7 @@ class Trajectory:
         return {
             "index": self.index,
             "origin": self.origin,
+            "label": self.label,
             "tokens": len(self.tokens),
             "prompt_length": self.prompt_length,
             "response_length": self.response_length,
@@ -347,7 +355,7 @@ class TrajectoryMerger:
         prompt = _as_int_array(turn.prompt_ids)
         output = _as_int_array(turn.output_ids)
         sibling_of = self._sibling_of(turn.choice_group)
-        target = None if sibling_of is not None else self._longest_extended(prompt)
+        target = None if sibling_of is not None else self._longest_extended(prompt, turn.label)
         if target is not None:
             decision = self._append(target, turn, prompt, output)
         else:
@@ -369,9 +377,11 @@ class TrajectoryMerger:
         while len(self._choice_groups) > self._max_choice_groups:
             self._choice_groups.popitem(last=False)
 
-    def _longest_extended(self, prompt: array[int]) -> Trajectory | None:
+    def _longest_extended(self, prompt: array[int], label: str | None) -> Trajectory | None:
         best: Trajectory | None = None
         for t in self._trajectories:
+            if t.label != label:
+                continue
             n = len(t.tokens)
             if n > len(prompt) or (best is not None and n <= len(best.tokens)):
                 continue
@@ -424,7 +434,7 @@ class TrajectoryMerger:
         elif self._trajectories:
             drift = self._explain_divergence(index, turn, prompt)
             reason = drift.reason
-        t = Trajectory(len(self._trajectories), prompt, reason)
+        t = Trajectory(len(self._trajectories), prompt, reason, turn.label)
         self._trajectories.append(t)
         t.extend_output(output, turn.output_logprobs)
         self._turns.append(

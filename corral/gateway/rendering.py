@@ -7,9 +7,9 @@ and input, which is what lets later turns be checked against the tokens already 
 
 from __future__ import annotations
 
-import json
+from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -34,35 +34,7 @@ def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     Tool-call arguments become objects (templates serialise them with ``tojson``); arguments
     that are not a JSON object stay strings, which the template renders as written.
     """
-    out: list[dict[str, Any]] = []
-    for m in messages:
-        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
-        d["content"] = m.text()
-        if m.name is not None:
-            d["name"] = m.name
-        if m.tool_call_id is not None:
-            d["tool_call_id"] = m.tool_call_id
-        if m.reasoning_content is not None:
-            d["reasoning_content"] = m.reasoning_content
-        if m.tool_calls:
-            calls = []
-            for call in m.tool_calls:
-                try:
-                    args: Any = json.loads(call.function.arguments)
-                except json.JSONDecodeError:
-                    args = call.function.arguments
-                if not isinstance(args, dict):
-                    args = call.function.arguments
-                calls.append(
-                    {
-                        "id": call.id,
-                        "type": "function",
-                        "function": {"name": call.function.name, "arguments": args},
-                    }
-                )
-            d["tool_calls"] = calls
-        out.append(d)
-    return out
+    return [m.to_turn().template() for m in messages]
 
 
 def template_tools(tools: Sequence[ToolDef] | None) -> list[dict[str, Any]] | None:
@@ -161,3 +133,106 @@ class ChatRenderer:
             else:
                 hi = mid - 1
         return lo
+
+
+@dataclass
+class HeldPrompt:
+    """A prompt already encoded for a session: its text, its ids, and where the boundary
+    marker's occurrences sit among the ids (token indices, in order)."""
+
+    text: str
+    ids: array[int]
+    marker_at: list[int] = field(default_factory=list)
+
+
+class PrefixEncoder:
+    """Encodes a prompt reusing the ids of an earlier prompt that shares its beginning.
+
+    A coding agent's session resends a growing conversation every turn; encoding all of it
+    again costs more the longer the session runs. Here the new text is compared with the held
+    prompts' texts, and only the text from the last *boundary* inside the shared part is
+    encoded; the ids before it are the held ones. A boundary is an occurrence of the marker: a
+    special added token (``<|im_start|>`` for ChatML) matched on the raw text, never stripping
+    its neighbours. Hugging Face tokenizers split such tokens out of the text before anything
+    else, so the text on either side encodes on its own and the joined ids are exactly those of
+    a full encoding. A tokenizer with no such token encodes in full every time.
+
+    ``keep`` bounds the held prompts per session (a side conversation must not evict the main
+    one). Thread-safe as long as one session's ``held`` list is used by one call at a time.
+    """
+
+    def __init__(self, renderer: ChatRenderer, *, keep: int = 3) -> None:
+        self.renderer = renderer
+        self.keep = keep
+        self.marker, self.marker_id = _boundary_marker(renderer.tokenizer)
+
+    def encode(self, text: str, held: list[HeldPrompt]) -> list[int]:
+        """The ids of ``text`` (as :meth:`ChatRenderer.encode` gives them); ``held`` is
+        updated in place with this prompt, most recent first."""
+        if self.marker is None:
+            return self.renderer.encode(text)
+        best: HeldPrompt | None = None
+        best_shared = 0
+        for prompt in held:
+            shared = _shared_prefix(prompt.text, text)
+            if shared > best_shared:
+                best, best_shared = prompt, shared
+        start_char, start_token = 0, 0
+        if best is not None:
+            # The last marker that starts inside the shared text and whose token is held.
+            cut = text.rfind(self.marker, 0, best_shared - len(self.marker) + 1)
+            if cut > 0:
+                occurrence = text.count(self.marker, 0, cut)
+                if occurrence < len(best.marker_at):
+                    start_char, start_token = cut, best.marker_at[occurrence]
+        tail = self.renderer.encode(text[start_char:])
+        ids = array("i", best.ids[:start_token]) if best is not None else array("i")
+        ids.extend(tail)
+        marker_at = list(best.marker_at[: text.count(self.marker, 0, start_char)]) if best else []
+        marker_at.extend(start_token + i for i, t in enumerate(tail) if t == self.marker_id)
+        prompt = HeldPrompt(text=text, ids=ids, marker_at=marker_at)
+        # The prompt this one extends is superseded by it; any other stays (a side
+        # conversation must not evict the main one) until the oldest falls off.
+        superseded = best if best is not None and best_shared == len(best.text) else None
+        held[:] = [prompt, *(p for p in held if p is not superseded)][: self.keep]
+        return ids.tolist()
+
+
+def _boundary_marker(tokenizer: PreTrainedTokenizerBase) -> tuple[str | None, int | None]:
+    """The special added token that starts every message of the template, if any."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    candidates = {
+        token.content: token_id
+        for token_id, token in decoder.items()
+        if token.special
+        and not (token.lstrip or token.rstrip or token.single_word)
+        and not token.normalized
+    }
+    if not candidates:
+        return None, None
+    try:
+        sample = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+            tokenize=False,
+        )
+    except Exception:  # a template that refuses the probe: no incremental encoding
+        return None, None
+    counts = {content: str(sample).count(content) for content in candidates}
+    content = max(counts, key=lambda c: counts[c])
+    if counts[content] < 2:
+        return None, None
+    return content, candidates[content]
+
+
+def _shared_prefix(a: str, b: str) -> int:
+    """Length of the longest common prefix of two strings, compared in slices (C speed)."""
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while lo < hi:  # invariant: a[:lo] == b[:lo], a[:hi + 1] != b[:hi + 1]
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

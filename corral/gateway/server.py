@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from corral.engines.sglang import SGLangClient
 from corral.gateway.app import build_gateway_app
-from corral.gateway.chat import ChatService
+from corral.gateway.pipeline import TurnPipeline
 from corral.gateway.settings import GatewaySettings
 
 
@@ -46,5 +46,5 @@ def create_gateway(
         )
     settings = replace(settings, **overrides)
     engine = SGLangClient(engine_url, timeout=settings.engine_timeout_s)
-    service = ChatService(settings, engine, tokenizer)
-    return build_gateway_app(settings, engine, service)
+    pipeline = TurnPipeline(settings, engine, tokenizer)
+    return build_gateway_app(settings, engine, pipeline)

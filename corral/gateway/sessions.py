@@ -21,7 +21,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -35,6 +35,8 @@ from corral.gateway.recording import (
 from corral.gateway.samples import Sample, SampleStatus, status_for_finish
 
 REPLAY_CACHE_SIZE = 32
+# Responses kept for ``previous_response_id`` (OpenAI Responses with ``store: true``).
+KEPT_RESPONSES = 64
 
 
 class SessionError(Exception):
@@ -85,6 +87,8 @@ class SessionOptions(BaseModel):
     ``temperature, top_p, top_k, max_tokens, seed, stop``, and it is normalised to the keys
     actually set (``stop`` always a list). ``ttl_s`` (seconds after last use) defaults to the
     store's. ``group_index``/``index`` are carried into the samples; ``metadata`` too.
+    ``side_requests``: whether trajectories of requests outside the agent's main conversation
+    (labelled ``side``: Claude Code's title and summary requests) become samples.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -95,6 +99,7 @@ class SessionOptions(BaseModel):
     ttl_s: float | None = Field(default=None, gt=0.0)
     group_index: int | None = None
     index: int | None = None
+    side_requests: Literal["include", "exclude"] = "include"
 
     @field_validator("sampling", mode="before")
     @classmethod
@@ -146,6 +151,10 @@ class Session:
         self._merger = TrajectoryMerger(decode)
         self._on_record = on_record
         self._replay: OrderedDict[str, Any] = OrderedDict()
+        self._kept: OrderedDict[str, Any] = OrderedDict()
+        # The pipeline's encoded prompts of this session (rendering.HeldPrompt), reused to
+        # encode only what a new prompt adds.
+        self.held_prompts: list[Any] = []
         self._replay_cache_size = replay_cache_size
         self._closed = False
         self._reward: float | None = None
@@ -173,6 +182,8 @@ class Session:
         """Close for good (the store calls this on delete and expiry). Idempotent."""
         self._closed = True
         self._replay.clear()
+        self._kept.clear()
+        self.held_prompts.clear()
 
     @property
     def merger(self) -> TrajectoryMerger:
@@ -236,6 +247,16 @@ class Session:
         """The remembered answer to request ``key``, or ``None``."""
         return self._replay.get(key)
 
+    def keep_response(self, response_id: str, value: Any) -> None:
+        """Keep a dialect's stored response (the last :data:`KEPT_RESPONSES` are kept)."""
+        self._kept[response_id] = value
+        self._kept.move_to_end(response_id)
+        while len(self._kept) > KEPT_RESPONSES:
+            self._kept.popitem(last=False)
+
+    def kept_response(self, response_id: str) -> Any | None:
+        return self._kept.get(response_id)
+
     # -- outputs -------------------------------------------------------------------------
 
     def samples(self) -> list[Sample]:
@@ -244,7 +265,11 @@ class Session:
         ``rollout_id`` is the session id; ``index`` is the session option's ``index`` when set,
         else the sample's position (the position is always in ``metadata["sample_index"]``).
         """
-        trajectories = self._merger.trajectories
+        trajectories = [
+            t
+            for t in self._merger.trajectories
+            if self.options.side_requests == "include" or t.label != "side"
+        ]
         return [
             self._sample(t, position, len(trajectories)) for position, t in enumerate(trajectories)
         ]
@@ -266,6 +291,7 @@ class Session:
             weight_versions=list(t.weight_versions),
             finish_reasons=list(t.finish_reasons),
             origin=t.origin,
+            label=t.label,
             drift=None if first.drift is None else first.drift.to_dict(),
             turn_metadata=[{"turn": i, **turns[i].metadata} for i in t.turns if turns[i].metadata],
         )

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# The template variables clients may set unless the operator says otherwise.
+DEFAULT_CLIENT_TEMPLATE_KWARGS = frozenset({"enable_thinking"})
+
 
 @dataclass(frozen=True)
 class GatewaySettings:
@@ -13,10 +16,20 @@ class GatewaySettings:
     max_context_tokens: int
     tool_call_parser: str = "qwen25"
     reasoning_parser: str = "none"
+    # The operator's template variables, for every render.
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # The template variables a client may set per request (``chat_template_kwargs``); the
+    # template itself is never the client's.
+    client_template_kwargs: frozenset[str] = DEFAULT_CLIENT_TEMPLATE_KWARGS
     admin_token: str | None = None
     max_sessions: int = 10_000
     max_held_tokens: int = 200_000_000
     session_ttl_s: float = 3600.0
     max_body_bytes: int = 8 * 1024 * 1024
     engine_timeout_s: float = 600.0
+    # JSON bodies nested deeper than this are refused before they are parsed into models.
+    max_json_depth: int = 64
+
+    def __post_init__(self) -> None:
+        if "chat_template" in self.client_template_kwargs:
+            raise ValueError("clients can never replace the chat template (chat_template)")

@@ -1,1 +1,1 @@
-"""Sandboxes that bundle code runs in: local, bwrap, docker, e2b, kubernetes (issue 4)."""
+"""Sandboxes that bundle code runs in: local, bwrap, docker, e2b, kubernetes."""

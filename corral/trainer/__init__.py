@@ -1,1 +1,1 @@
-"""The Megatron-core trainer (issue 6)."""
+"""The Megatron-core trainer."""

@@ -1,0 +1,134 @@
+"""A gateway stack for tests: the local engine (tiny model) behind a real gateway on 127.0.0.1,
+with the engine client wrapped (``RecordingEngine``) to capture what the gateway sent to the
+engine and what the engine answered, so samples can be checked token for token. The
+``engine_url`` and ``stack`` fixtures (tests/conftest.py) build on it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from transformers import AutoTokenizer
+
+from corral.engines.protocol import GenerateRequest, GenerateResponse, ModelInfo
+from corral.engines.sglang import SGLangClient
+from corral.engines.stream import StreamDelta
+from corral.gateway.app import build_gateway_app
+from corral.gateway.pipeline import TurnPipeline
+from corral.gateway.server import model_context_length
+from corral.gateway.settings import GatewaySettings
+from tests.servers import serve
+
+ADMIN = "admin-secret"
+AUTH = {"Authorization": f"Bearer {ADMIN}"}
+
+
+@dataclass
+class EngineCall:
+    input_ids: list[int]
+    rid: str | None = None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finished: bool = False
+
+
+class RecordingEngine:
+    """Wraps the real engine client and keeps every request's input and output tokens."""
+
+    def __init__(self, inner: SGLangClient) -> None:
+        self.inner = inner
+        self.calls: list[EngineCall] = []
+        self.aborted: list[str] = []
+        self.abort_seen = threading.Event()
+        # When set, a request stalls (after this many stream deltas, or before answering a
+        # plain generate) until the gateway cancels it: a deterministic "engine still busy".
+        self.stall_after: int | None = None
+
+    async def generate(self, req: GenerateRequest) -> GenerateResponse:
+        call = EngineCall(list(req.input_ids), rid=req.rid)
+        self.calls.append(call)
+        if self.stall_after is not None:
+            await asyncio.Event().wait()
+        res = await self.inner.generate(req)
+        call.output_ids = list(res.output_ids)
+        call.logprobs = [e[0] for e in res.meta_info.output_token_logprobs]
+        call.finished = True
+        return res
+
+    async def stream(self, req: GenerateRequest) -> AsyncIterator[StreamDelta]:
+        call = EngineCall(list(req.input_ids), rid=req.rid)
+        self.calls.append(call)
+        async for delta in self.inner.stream(req):
+            if self.stall_after is not None and len(call.output_ids) >= self.stall_after:
+                await asyncio.Event().wait()
+            call.output_ids += delta.token_ids
+            call.logprobs += delta.logprobs
+            call.finished = delta.finish_reason is not None
+            yield delta
+
+    async def abort(self, rid: str) -> None:
+        self.aborted.append(rid)
+        self.abort_seen.set()
+        await self.inner.abort(rid)
+
+    async def health(self) -> bool:
+        return await self.inner.health()
+
+    async def get_model_info(self) -> ModelInfo:
+        return await self.inner.get_model_info()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class Admin:
+    """The gateway's session-management calls, as a test makes them (``url``: the gateway)."""
+
+    url: str
+
+    def session(self, **options: Any) -> dict[str, Any]:
+        r = httpx.post(f"{self.url}/sessions", headers=AUTH, json=options)
+        assert r.status_code == 201, r.text
+        return dict(r.json())
+
+    def samples(self, session_id: str) -> list[dict[str, Any]]:
+        r = httpx.get(f"{self.url}/sessions/{session_id}/samples", headers=AUTH)
+        assert r.status_code == 200, r.text
+        return list(r.json())
+
+    def view(self, session_id: str) -> dict[str, Any]:
+        r = httpx.get(f"{self.url}/sessions/{session_id}", headers=AUTH)
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+
+@dataclass
+class Stack(Admin):
+    url: str
+    engine: RecordingEngine
+    engine_url: str
+    tokenizer: Any
+
+
+@contextmanager
+def gateway_stack(
+    model: Path, engine_url: str, *, timeout: float = 60.0, **overrides: Any
+) -> Iterator[Stack]:
+    settings = GatewaySettings(
+        model_name="tiny",
+        max_context_tokens=model_context_length(model),
+        admin_token=ADMIN,
+        engine_timeout_s=timeout,
+        **overrides,
+    )
+    engine = RecordingEngine(SGLangClient(engine_url, timeout=timeout, retries=0))
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    service = TurnPipeline(settings, engine, tokenizer)
+    with serve(build_gateway_app(settings, engine, service)) as url:
+        yield Stack(url=url, engine=engine, engine_url=engine_url, tokenizer=tokenizer)
