@@ -1,43 +1,103 @@
-"""The gateway's cost: the same engine and prompts, straight to the engine vs through the gateway.
+"""The gateway's cost, per wire dialect: the same engine and prompts, straight to the engine vs
+through the gateway, plus the gateway's CPU per turn along long coding-agent sessions.
 
-Run: ``python bench/gateway.py [--sessions 1 64 256] [--turns 3] [--max-tokens 16]``.
+Run: ``python bench/gateway.py [--quick]`` (``--help`` for the knobs).
 
-The engine (``corral engine``) and the gateway (``corral gateway``) run as separate processes,
-the engine pinned to one torch thread so the gateway has CPU to work with, as it would beside
-a GPU engine. A warm-up pass through the gateway records every turn's request and the exact
-prompt ids the gateway sent; the measured passes then replay those same turns, straight to
-``/generate`` with the recorded ids and through the gateway with the recorded messages, so
-both paths make the engine do the same work (greedy decoding). The load generator is aiohttp
-(httpx costs several ms of client CPU per request on these cores).
+Every number is a ratio against a baseline measured in the same run (these machines are noisy):
 
-Prints, per concurrency: turns/s and per-turn latency p50/p99 on each path, the gateway's
-added latency (p50, p99) and the throughput ratio; then memory per held session for long
-multi-turn sessions (RSS of the gateway process before and after filling them).
+1. Dialects. The engine (``corral engine``, pinned to one torch thread) and the gateway
+   (``corral gateway``) run as separate processes. A warm-up plays the tiny model's weather
+   conversations (system prompt, the ``get_weather``/``add`` tools, tool calls answered with
+   scripted results) through the gateway; every turn is then rendered by the gateway's own
+   code in this process, once per dialect (Chat Completions; Anthropic Messages: ``system``,
+   ``tools`` with ``input_schema``, ``tool_use``/``tool_result`` blocks, ``max_tokens``;
+   Responses: ``instructions``, input items, ``function`` tools, ``max_output_tokens``), and the
+   three prompt-id lists must be equal (else the bench says which turn differs and where). Once
+   per run one conversation is also played through the gateway in each dialect and the token
+   ids the gateway recorded (what the engine got and gave) are compared across dialects.
+   Measured passes replay the turns straight to ``/generate`` with the recorded ids and play
+   them live through the gateway in each dialect, plain and streamed (``stream: true`` on both
+   paths; a stream is timed to its last byte), greedy, so both paths make the engine do the same
+   work. Paths alternate round by round. Per concurrency, dialect and mode: turns/s, latency
+   p50/p99 per turn, the added latency, the throughput ratio and the gateway's CPU seconds per
+   turn over the timed window (summed over its threads from ``/proc/<pid>/task/*/schedstat``,
+   nanosecond resolution, where utime + stime of ``/proc/<pid>/stat`` counts 10 ms ticks; both
+   totals are printed): the median pass's, and as a ratio to Chat Completions' in the same mode
+   (the median of the per-round ratios: within a round the dialects run back to back).
+2. Long sessions. A second gateway (started in a child process with ``create_gateway(...,
+   max_context_tokens=...)``: ``corral gateway`` has no flag for the context) sits in front of
+   a stand-in engine that answers every ``/generate`` at once with the same short tool call,
+   canonically tokenized, so only the gateway's own cost is measured. Sessions start from
+   Claude Code's first request (``tests/fixtures/agent_requests/claude_code_messages.json``:
+   its system prompt and 12 tools, translated into each dialect) and grow by one tool call and
+   one tool result per turn. Each request runs alone between two idle points of the gateway,
+   so its CPU (schedstat, as above; the recording after the answer included) is its own; the
+   median over the sessions is reported at turns 1, 32 and 128 (turn 1 encodes the whole
+   prompt; later turns only what is new, :class:`corral.gateway.rendering.PrefixEncoder`).
+3. Memory per held session (RSS of the dialect gateway before and after filling sessions).
+
+Last, the targets, each PASS or FAIL (the exit status is 1 when one fails): the same engine
+prompt ids in every dialect; per dialect and mode, added latency p50 at most 1 ms (at the lowest
+concurrency) and a throughput ratio of at least 0.9 (at the highest); every dialect's CPU per
+turn within 10% of Chat Completions' (over all levels, per mode); a long session's CPU at its
+last reported turn within 20% of turn 1's.
+
+``--quick`` (about 2 minutes on 2 cores): 1 and 16 sessions, 80 turns per path and level, 2 long
+sessions per dialect, a small memory fill. The default (7-10 minutes): 1 and 64 sessions, 400
+turns, 8 long sessions per dialect.
+
+The load generator is aiohttp (httpx costs several ms of client CPU per request on these
+cores); request bodies are serialised before the clock starts.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Protocol
 
 import aiohttp
+from aiohttp import web
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
+from starlette.datastructures import Headers, QueryParams
+from transformers import AutoTokenizer
 
+from corral.engines.sglang import SGLangClient
+from corral.engines.tiny_model import CONDITIONS, TOOLS, cached_tiny_model
+from corral.gateway.dialects.anthropic_messages import AnthropicMessages
+from corral.gateway.dialects.base import Dialect, RequestContext
+from corral.gateway.dialects.chat_completions import ChatCompletions
+from corral.gateway.dialects.openai_responses import OpenAIResponses
+from corral.gateway.pipeline import TurnPipeline
+from corral.gateway.server import create_gateway, model_context_length
+from corral.gateway.sessions import SessionOptions, SessionStore
+from corral.gateway.settings import GatewaySettings
+from corral.serving import KEEP_ALIVE_S, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
 ADMIN_VAR = "CORRAL_BENCH_ADMIN"
 ADMIN = "bench-admin"
+MODEL_NAME = "bench"
+DIALECTS = ("chat_completions", "anthropic_messages", "openai_responses")
+BASELINE = DIALECTS[0]
+MODES = ("plain", "stream")
+Mode = str  # one of MODES
+
+SYSTEM = "You are a weather assistant. Use the tools."
 USER_TURNS = [
     "What is the weather in Paris?",
     "And in Tokyo?",
@@ -45,13 +105,527 @@ USER_TURNS = [
     "What is the weather in Lima and Oslo?",
     "Thanks. Say hello.",
 ]
+CLAUDE_CODE = ROOT / "tests" / "fixtures" / "agent_requests" / "claude_code_messages.json"
+# What the stand-in engine answers every turn of a long session (then the EOS token).
+STAND_IN_CALL = (
+    '<tool_call>\n{"name": "Read", "arguments": {"file_path": "/workspace/src/app.py"}}\n'
+    "</tool_call>"
+)
+# Issue 2's targets.
+MAX_ADDED_P50_S = 1e-3
+MIN_RATIO = 0.9
+MAX_CPU_VS_BASELINE = 0.10
+MAX_LONG_GROWTH = 0.20
 
 
-@dataclass
-class Turn:
-    body: dict[str, Any]  # the chat request through the gateway
-    input_ids: list[int]  # what the gateway sent to the engine for it
-    max_new_tokens: int
+# ---- a conversation in no wire format --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Call:
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+
+@dataclass(frozen=True)
+class Msg:
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+    calls: tuple[Call, ...] = ()
+    call_id: str | None = None  # of a tool result
+
+
+@dataclass(frozen=True)
+class ToolDef:
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One request's conversation: system text blocks (joined with a newline where a dialect
+    takes one string, as the gateway joins Anthropic's blocks), tools and messages."""
+
+    system: tuple[str, ...]
+    tools: tuple[ToolDef, ...]
+    messages: tuple[Msg, ...]
+
+    @property
+    def system_text(self) -> str:
+        return "\n".join(self.system)
+
+
+@dataclass(frozen=True)
+class Reply:
+    message: Msg
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+# ---- the three wire dialects, client side ----------------------------------------------------
+
+
+class Wire(Protocol):
+    name: str
+
+    def url(self, session: dict[str, Any]) -> str: ...
+
+    def headers(self, key: str) -> dict[str, str]: ...
+
+    def body(self, prompt: Prompt, max_tokens: int, stream: bool) -> dict[str, Any]: ...
+
+    def reply(self, data: dict[str, Any]) -> Reply: ...
+
+    def stream_reply(self, events: list[tuple[str | None, str]]) -> Reply: ...
+
+
+def _bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+
+
+class ChatWire:
+    name = "chat_completions"
+
+    def url(self, session: dict[str, Any]) -> str:
+        return f"{session['base_url']}/chat/completions"
+
+    def headers(self, key: str) -> dict[str, str]:
+        return _bearer(key)
+
+    def body(self, prompt: Prompt, max_tokens: int, stream: bool) -> dict[str, Any]:
+        messages: list[dict[str, Any]] = []
+        if prompt.system:
+            messages.append({"role": "system", "content": prompt.system_text})
+        for m in prompt.messages:
+            if m.role == "assistant":
+                wire: dict[str, Any] = {
+                    "role": "assistant",
+                    "content": m.content if m.content or not m.calls else None,
+                }
+                if m.calls:
+                    wire["tool_calls"] = [
+                        {
+                            "id": c.id,
+                            "type": "function",
+                            "function": {"name": c.name, "arguments": c.arguments},
+                        }
+                        for c in m.calls
+                    ]
+                messages.append(wire)
+            elif m.role == "tool":
+                messages.append({"role": "tool", "tool_call_id": m.call_id, "content": m.content})
+            else:
+                messages.append({"role": m.role, "content": m.content})
+        body: dict[str, Any] = {
+            "model": MODEL_NAME,
+            "messages": messages,
+            "temperature": 0,
+            "max_tokens": max_tokens,
+            "stream": stream,
+        }
+        if prompt.tools:
+            body["tools"] = [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": t.name,
+                        "description": t.description,
+                        "parameters": t.parameters,
+                    },
+                }
+                for t in prompt.tools
+            ]
+        return body
+
+    def reply(self, data: dict[str, Any]) -> Reply:
+        message = data["choices"][0]["message"]
+        calls = tuple(
+            Call(c["id"], c["function"]["name"], c["function"]["arguments"])
+            for c in message.get("tool_calls") or ()
+        )
+        usage = data.get("usage") or {}
+        return Reply(
+            Msg("assistant", message.get("content") or "", calls),
+            usage.get("prompt_tokens", 0),
+            usage.get("completion_tokens", 0),
+        )
+
+    def stream_reply(self, events: list[tuple[str | None, str]]) -> Reply:
+        text: list[str] = []
+        calls: dict[int, dict[str, str]] = {}
+        for _, data in events:
+            if data == "[DONE]":
+                break
+            for choice in json.loads(data)["choices"]:
+                delta = choice.get("delta") or {}
+                text.append(delta.get("content") or "")
+                for c in delta.get("tool_calls") or ():
+                    call = calls.setdefault(c["index"], {"id": "", "name": "", "arguments": ""})
+                    call["id"] = c.get("id") or call["id"]
+                    fn = c.get("function") or {}
+                    call["name"] += fn.get("name") or ""
+                    call["arguments"] += fn.get("arguments") or ""
+        found = tuple(Call(**calls[i]) for i in sorted(calls))
+        return Reply(Msg("assistant", "".join(text), found))
+
+
+class AnthropicWire:
+    name = "anthropic_messages"
+
+    def url(self, session: dict[str, Any]) -> str:
+        return f"{session['anthropic_base_url']}/v1/messages"
+
+    def headers(self, key: str) -> dict[str, str]:
+        return {
+            "x-api-key": key,
+            "anthropic-version": "2023-06-01",
+            "Content-Type": "application/json",
+        }
+
+    def body(self, prompt: Prompt, max_tokens: int, stream: bool) -> dict[str, Any]:
+        messages: list[dict[str, Any]] = []
+        for m in prompt.messages:
+            if m.role == "assistant":
+                blocks: list[dict[str, Any]] = (
+                    [{"type": "text", "text": m.content}] if m.content else []
+                )
+                blocks += [
+                    {"type": "tool_use", "id": c.id, "name": c.name, "input": _input(c)}
+                    for c in m.calls
+                ]
+                messages.append({"role": "assistant", "content": blocks or m.content})
+            elif m.role == "tool":
+                result = {"type": "tool_result", "tool_use_id": m.call_id, "content": m.content}
+                last = messages[-1] if messages else None
+                if (
+                    last is not None
+                    and last["role"] == "user"
+                    and isinstance(last["content"], list)
+                    and last["content"][-1]["type"] == "tool_result"
+                ):
+                    last["content"].append(result)
+                else:
+                    messages.append({"role": "user", "content": [result]})
+            else:
+                messages.append({"role": m.role, "content": m.content})
+        body: dict[str, Any] = {
+            "model": MODEL_NAME,
+            "messages": messages,
+            "temperature": 0,
+            "max_tokens": max_tokens,
+            "stream": stream,
+        }
+        if len(prompt.system) == 1:
+            body["system"] = prompt.system[0]
+        elif prompt.system:
+            body["system"] = [{"type": "text", "text": text} for text in prompt.system]
+        if prompt.tools:
+            body["tools"] = [
+                {"name": t.name, "description": t.description, "input_schema": t.parameters}
+                for t in prompt.tools
+            ]
+        return body
+
+    def reply(self, data: dict[str, Any]) -> Reply:
+        text = [b["text"] for b in data["content"] if b["type"] == "text"]
+        calls = tuple(
+            Call(b["id"], b["name"], json.dumps(b["input"], ensure_ascii=False))
+            for b in data["content"]
+            if b["type"] == "tool_use"
+        )
+        usage = data.get("usage") or {}
+        return Reply(
+            Msg("assistant", "\n".join(text), calls),
+            usage.get("input_tokens", 0),
+            usage.get("output_tokens", 0),
+        )
+
+    def stream_reply(self, events: list[tuple[str | None, str]]) -> Reply:
+        blocks: dict[int, dict[str, str]] = {}
+        for kind, data in events:
+            event = json.loads(data)
+            if kind == "content_block_start":
+                block = event["content_block"]
+                blocks[event["index"]] = {
+                    "type": block["type"],
+                    "id": block.get("id", ""),
+                    "name": block.get("name", ""),
+                    "text": "",
+                }
+            elif kind == "content_block_delta":
+                delta = event["delta"]
+                piece = delta.get("text") or delta.get("partial_json") or ""
+                blocks[event["index"]]["text"] += piece
+        ordered = [blocks[i] for i in sorted(blocks)]
+        text = [b["text"] for b in ordered if b["type"] == "text"]
+        calls = tuple(
+            Call(b["id"], b["name"], b["text"] or "{}") for b in ordered if b["type"] == "tool_use"
+        )
+        return Reply(Msg("assistant", "\n".join(text), calls))
+
+
+class ResponsesWire:
+    """Stateless, as Codex drives it: ``store: false`` and the whole conversation as input."""
+
+    name = "openai_responses"
+
+    def url(self, session: dict[str, Any]) -> str:
+        return f"{session['base_url']}/responses"
+
+    def headers(self, key: str) -> dict[str, str]:
+        return _bearer(key)
+
+    def body(self, prompt: Prompt, max_tokens: int, stream: bool) -> dict[str, Any]:
+        items: list[dict[str, Any]] = []
+        for m in prompt.messages:
+            if m.role == "assistant":
+                if m.content or not m.calls:
+                    part = {"type": "output_text", "text": m.content}
+                    items.append({"type": "message", "role": "assistant", "content": [part]})
+                items += [
+                    {
+                        "type": "function_call",
+                        "call_id": c.id,
+                        "name": c.name,
+                        "arguments": c.arguments,
+                    }
+                    for c in m.calls
+                ]
+            elif m.role == "tool":
+                items.append(
+                    {"type": "function_call_output", "call_id": m.call_id, "output": m.content}
+                )
+            else:
+                part = {"type": "input_text", "text": m.content}
+                items.append({"type": "message", "role": m.role, "content": [part]})
+        body: dict[str, Any] = {
+            "model": MODEL_NAME,
+            "input": items,
+            "temperature": 0,
+            "max_output_tokens": max_tokens,
+            "store": False,
+            "stream": stream,
+        }
+        if prompt.system:
+            body["instructions"] = prompt.system_text
+        if prompt.tools:
+            body["tools"] = [
+                {
+                    "type": "function",
+                    "name": t.name,
+                    "description": t.description,
+                    "parameters": t.parameters,
+                }
+                for t in prompt.tools
+            ]
+        return body
+
+    def reply(self, data: dict[str, Any]) -> Reply:
+        text: list[str] = []
+        calls: list[Call] = []
+        for item in data["output"]:
+            if item["type"] == "message":
+                text += [p["text"] for p in item["content"] if p["type"] == "output_text"]
+            elif item["type"] == "function_call":
+                calls.append(Call(item["call_id"], item["name"], item["arguments"]))
+        usage = data.get("usage") or {}
+        return Reply(
+            Msg("assistant", "".join(text), tuple(calls)),
+            usage.get("input_tokens", 0),
+            usage.get("output_tokens", 0),
+        )
+
+    def stream_reply(self, events: list[tuple[str | None, str]]) -> Reply:
+        for kind, data in reversed(events):
+            if kind in ("response.completed", "response.incomplete"):
+                return self.reply(json.loads(data)["response"])
+        raise RuntimeError(f"the stream did not complete: {events[-1:]}")
+
+
+WIRES: dict[str, Wire] = {w.name: w for w in (ChatWire(), AnthropicWire(), ResponsesWire())}
+
+
+def _input(call: Call) -> Any:
+    try:
+        return json.loads(call.arguments)
+    except json.JSONDecodeError:
+        return {}
+
+
+def sse_events(text: str) -> list[tuple[str | None, str]]:
+    """(event name, data) of each server-sent event."""
+    out: list[tuple[str | None, str]] = []
+    for block in text.split("\n\n"):
+        kind: str | None = None
+        data: list[str] = []
+        for line in block.splitlines():
+            if line.startswith("event:"):
+                kind = line[6:].strip()
+            elif line.startswith("data:"):
+                data.append(line[5:].strip())
+        if data:
+            out.append((kind, "\n".join(data)))
+    return out
+
+
+# ---- scripted conversations ------------------------------------------------------------------
+
+
+class Script(Protocol):
+    def next_prompt(self) -> Prompt: ...
+
+    def answer(self, reply: Msg) -> None: ...
+
+
+def weather_tools() -> tuple[ToolDef, ...]:
+    return tuple(
+        ToolDef(t["function"]["name"], t["function"]["description"], t["function"]["parameters"])
+        for t in TOOLS
+    )
+
+
+def weather_result(call: Call) -> str:
+    """A scripted tool result for one of the tiny model's tools."""
+    args = _input(call)
+    if not isinstance(args, dict):
+        return "error: bad arguments"
+    if call.name == "get_weather":
+        city = str(args.get("city", ""))
+        return json.dumps(
+            {"city": city, "weather": CONDITIONS[len(city) % len(CONDITIONS)], "temp_c": 21}
+        )
+    if call.name == "add":
+        try:
+            return str(int(args["a"]) + int(args["b"]))
+        except (KeyError, TypeError, ValueError):
+            return "error: bad arguments"
+    return f"error: no tool {call.name}"
+
+
+class WeatherScript:
+    """The tiny model's weather conversation ``k``: a tool call's results come next, else the
+    next user message."""
+
+    def __init__(self, k: int, tools: tuple[ToolDef, ...]) -> None:
+        self.k = k
+        self.tools = tools
+        self.users = 0
+        self.messages: list[Msg] = []
+
+    def next_prompt(self) -> Prompt:
+        last = self.messages[-1] if self.messages else None
+        if last is not None and last.calls:
+            self.messages += [Msg("tool", weather_result(c), call_id=c.id) for c in last.calls]
+        else:
+            text = USER_TURNS[(self.k + self.users) % len(USER_TURNS)]
+            self.messages.append(Msg("user", text))
+            self.users += 1
+        return Prompt((SYSTEM,), self.tools, tuple(self.messages))
+
+    def answer(self, reply: Msg) -> None:
+        self.messages.append(reply)
+
+
+def claude_code_start() -> Prompt:
+    """Claude Code's first request as a prompt: its system blocks, tools and messages."""
+    data = json.loads(CLAUDE_CODE.read_text())
+
+    def text(content: str | list[dict[str, Any]]) -> str:
+        if isinstance(content, str):
+            return content
+        return "\n".join(b["text"] for b in content)
+
+    return Prompt(
+        system=tuple(b["text"] for b in data["system"]),
+        tools=tuple(
+            ToolDef(t["name"], t.get("description", ""), t["input_schema"]) for t in data["tools"]
+        ),
+        messages=tuple(Msg(m["role"], text(m["content"])) for m in data["messages"]),
+    )
+
+
+def file_text(turn: int, chars: int) -> str:
+    """A tool result of about ``chars`` characters (a numbered source listing), new per turn."""
+    lines: list[str] = []
+    size = 0
+    while size < chars:
+        line = f"{len(lines) + 1:>6}\tdef step_{turn}_{len(lines)}(state):  # turn {turn}\n"
+        lines.append(line)
+        size += len(line)
+    return "".join(lines)
+
+
+class CodingScript:
+    """A coding agent's session: Claude Code's first request, then one tool result per call."""
+
+    def __init__(self, start: Prompt, result_chars: int) -> None:
+        self.start = start
+        self.result_chars = result_chars
+        self.messages = list(start.messages)
+        self.turn = 0
+
+    def next_prompt(self) -> Prompt:
+        self.turn += 1
+        last = self.messages[-1]
+        if last.role == "assistant":
+            if last.calls:
+                self.messages += [
+                    Msg("tool", file_text(self.turn, self.result_chars), call_id=c.id)
+                    for c in last.calls
+                ]
+            else:
+                self.messages.append(Msg("user", "Go on."))
+        return replace(self.start, messages=tuple(self.messages))
+
+    def answer(self, reply: Msg) -> None:
+        self.messages.append(reply)
+
+
+# ---- the gateway's own rendering, in this process --------------------------------------------
+
+
+class GatewayRenderer:
+    """The gateway's dialect parsers and turn pipeline (default settings) in this process: the
+    prompt ids a gateway sends the engine for a request body."""
+
+    def __init__(self, model: str, max_context_tokens: int) -> None:
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        settings = GatewaySettings(
+            model_name=Path(model).name, max_context_tokens=max_context_tokens
+        )
+        # Never called: rendering needs no engine.
+        engine = SGLangClient("http://127.0.0.1:9")
+        self._pipeline = TurnPipeline(settings, engine, self.tokenizer)
+        self._store = SessionStore(max_sessions=4, max_held_tokens=10**9, default_ttl_s=None)
+        dialects: list[Dialect] = [ChatCompletions(), AnthropicMessages(), OpenAIResponses()]
+        self._dialects = {d.name: d for d in dialects}
+
+    def prompt_ids(self, dialect: str, prompt: Prompt, max_tokens: int) -> list[int]:
+        body = WIRES[dialect].body(prompt, max_tokens, stream=False)
+        session = self._store.create(SessionOptions())
+        try:
+            ctx = RequestContext(session=session, headers=Headers(), query=QueryParams())
+            request = self._dialects[dialect].parse(body, ctx)
+            return list(self._pipeline.prepare(session, request).prompt_ids)
+        finally:
+            self._store.delete(session.id)
+
+    def difference(self, a: Sequence[int], b: Sequence[int]) -> str:
+        """Where two id lists part, with the text around it."""
+        at = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+        if at is None:
+            at = min(len(a), len(b))
+        context = self.tokenizer.decode(list(a[max(0, at - 8) : at]))
+        return (
+            f"first difference at token {at} of {len(a)} vs {len(b)}, after {context!r}: "
+            f"{self.tokenizer.decode(list(a[at : at + 8]))!r} vs "
+            f"{self.tokenizer.decode(list(b[at : at + 8]))!r}"
+        )
+
+
+# ---- processes -------------------------------------------------------------------------------
 
 
 @contextmanager
@@ -88,15 +662,30 @@ async def _wait_healthy(url: str, proc: subprocess.Popen[bytes]) -> bool:
     return False
 
 
-async def _get_text(url: str) -> str:
-    async with aiohttp.ClientSession() as http, http.get(url) as r:
-        return await r.text()
-
-
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (from /proc)."""
+    """User + system CPU time of a process so far (from /proc; clock-tick resolution)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds_fine(pid: int) -> float:
+    """CPU time of a process's live threads so far, in nanoseconds' resolution (schedstat)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # a thread that ended
+            total += int((task / "schedstat").read_text().split()[0])
+    return total / 1e9
+
+
+async def settle(pid: int) -> None:
+    """Wait until the process is idle (its background work for the last requests done)."""
+    previous = cpu_seconds_fine(pid)
+    for _ in range(200):
+        await asyncio.sleep(0.005)
+        now = cpu_seconds_fine(pid)
+        if now - previous < 50e-6:
+            return
+        previous = now
 
 
 def rss_bytes(pid: int) -> int:
@@ -104,6 +693,64 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError("no VmRSS")
+
+
+def serve_gateway(engine_url: str, model: str, port: int, max_context_tokens: int) -> None:
+    """``corral gateway`` with the context set (the CLI has no flag for it)."""
+    import uvicorn
+
+    app = create_gateway(
+        engine_url,
+        model,
+        admin_token=os.environ[ADMIN_VAR],
+        max_context_tokens=max_context_tokens,
+    )
+    uvicorn.run(
+        app,
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        access_log=False,
+        timeout_keep_alive=KEEP_ALIVE_S,
+    )
+
+
+def serve_stand_in(model: str, port: int) -> None:
+    """An engine that answers every ``/generate`` at once with ``STAND_IN_CALL`` + EOS."""
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    eos = int(tokenizer.eos_token_id)
+    ids = [*tokenizer.encode(STAND_IN_CALL, add_special_tokens=False), eos]
+    logprobs = [[-0.01, i, None] for i in ids]
+
+    async def generate(request: web.Request) -> web.Response:
+        body = await request.json()
+        if body.get("stream"):
+            return web.json_response({"error": {"message": "no streaming here"}}, status=400)
+        meta = {
+            "id": body.get("rid"),
+            "finish_reason": {"type": "stop", "matched": eos},
+            "prompt_tokens": len(body["input_ids"]),
+            "completion_tokens": len(ids),
+            "output_token_logprobs": logprobs,
+            "weight_version": "default",
+        }
+        return web.json_response({"text": STAND_IN_CALL, "output_ids": ids, "meta_info": meta})
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def model_info(request: web.Request) -> web.Response:
+        return web.json_response({"model_path": model, "weight_version": "default"})
+
+    app = web.Application(client_max_size=256 * 1024 * 1024)
+    app.router.add_post("/generate", generate)
+    app.router.add_post("/abort_request", ok)
+    app.router.add_get("/health", ok)
+    app.router.add_get("/get_model_info", model_info)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+
+# ---- requests --------------------------------------------------------------------------------
 
 
 async def new_session(http: aiohttp.ClientSession, gateway: str) -> dict[str, Any]:
@@ -114,66 +761,193 @@ async def new_session(http: aiohttp.ClientSession, gateway: str) -> dict[str, An
         return dict(await r.json())
 
 
-async def chat(
-    http: aiohttp.ClientSession, session: dict[str, Any], body: dict[str, Any]
-) -> dict[str, Any]:
-    async with http.post(
-        f"{session['base_url']}/chat/completions",
-        json=body,
-        headers={"Authorization": f"Bearer {session['api_key']}"},
+async def delete_session(http: aiohttp.ClientSession, gateway: str, session_id: str) -> None:
+    async with http.delete(
+        f"{gateway}/sessions/{session_id}", headers={"Authorization": f"Bearer {ADMIN}"}
+    ):
+        pass
+
+
+async def samples(http: aiohttp.ClientSession, gateway: str, session_id: str) -> list[Any]:
+    async with http.get(
+        f"{gateway}/sessions/{session_id}/samples", headers={"Authorization": f"Bearer {ADMIN}"}
     ) as r:
-        if r.status != 200:
-            raise RuntimeError(f"gateway answered {r.status}: {await r.text()}")
-        return dict(await r.json())
+        r.raise_for_status()
+        return list(await r.json())
 
 
-async def record_conversations(
-    gateway: str, model: str, sessions: int, turns: int, max_tokens: int
-) -> list[list[Turn]]:
-    """Warm-up: play each conversation once through the gateway (so assistant turns are the
-    model's own), then render every turn's request with the gateway's own renderer, which
-    gives exactly the prompt ids the gateway sends to the engine."""
-    from transformers import AutoTokenizer
+async def ask(
+    http: aiohttp.ClientSession,
+    wire: Wire,
+    session: dict[str, Any],
+    prompt: Prompt,
+    max_tokens: int,
+    stream: bool,
+) -> tuple[float, Reply]:
+    """One turn through the gateway: (seconds to the answer's last byte, the reply)."""
+    data = json.dumps(wire.body(prompt, max_tokens, stream)).encode()
+    headers = wire.headers(session["api_key"])
+    t0 = time.perf_counter()
+    async with http.post(wire.url(session), data=data, headers=headers) as r:
+        raw = await r.read()
+    took = time.perf_counter() - t0
+    if r.status != 200:
+        raise RuntimeError(f"{wire.name} answered {r.status}: {raw.decode()[:1000]}")
+    text = raw.decode()
+    reply = wire.stream_reply(sse_events(text)) if stream else wire.reply(json.loads(text))
+    return took, reply
 
-    from corral.gateway.openai_types import ChatCompletionRequest
-    from corral.gateway.rendering import ChatRenderer, template_messages, template_tools
 
-    renderer = ChatRenderer(AutoTokenizer.from_pretrained(model))
-    async with aiohttp.ClientSession() as http:
-
-        async def one(k: int) -> list[dict[str, Any]]:
-            session = await new_session(http, gateway)
-            messages: list[dict[str, Any]] = []
-            bodies = []
-            for t in range(turns):
-                messages.append({"role": "user", "content": USER_TURNS[(k + t) % len(USER_TURNS)]})
-                body = {
-                    "model": "tiny",
-                    "messages": list(messages),
-                    "temperature": 0,
-                    "max_tokens": max_tokens,
-                }
-                reply = await chat(http, session, body)
-                message = reply["choices"][0]["message"]
-                messages.append({"role": "assistant", "content": message.get("content") or ""})
-                bodies.append(body)
-            return bodies
-
-        conversations = await asyncio.gather(*(one(k) for k in range(sessions)))
+async def play(
+    http: aiohttp.ClientSession,
+    wire: Wire,
+    session: dict[str, Any],
+    script: Script,
+    turns: int,
+    max_tokens: int,
+    stream: bool,
+) -> list[tuple[float, Prompt, Reply]]:
+    """A conversation played live: each turn's history holds the replies this session got."""
     out = []
-    for bodies in conversations:
-        rendered = []
-        for body in bodies:
-            req = ChatCompletionRequest.model_validate(body)
-            prompt = renderer.render(template_messages(req.messages), template_tools(req.tools))
-            rendered.append(Turn(body, prompt.token_ids, max_tokens))
-        out.append(rendered)
+    for _ in range(turns):
+        prompt = script.next_prompt()
+        took, reply = await ask(http, wire, session, prompt, max_tokens, stream)
+        script.answer(reply.message)
+        out.append((took, prompt, reply))
     return out
 
 
-async def run_direct(engine: str, conversations: list[list[Turn]]) -> tuple[list[float], float]:
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as http:
+def _connector() -> aiohttp.TCPConnector:
+    return aiohttp.TCPConnector(limit=0)
+
+
+# ---- part 1: the dialects against the engine -------------------------------------------------
+
+
+@dataclass
+class Turn:
+    prompt: Prompt  # the conversation so far, as the warm-up played it
+    input_ids: list[int]  # what the gateway sends the engine for it (every dialect)
+    max_new_tokens: int
+
+
+@dataclass
+class PathRun:
+    """One path (direct, or a dialect) at one concurrency and mode, over the rounds."""
+
+    latencies: list[float] = field(default_factory=list)
+    elapsed: float = 0.0
+    # Gateway paths: CPU seconds per turn of each pass (schedstat), and the totals by
+    # schedstat and by utime + stime (ticks).
+    cpu_per_pass: list[float] = field(default_factory=list)
+    cpu: float = 0.0
+    cpu_ticks: float = 0.0
+
+    def add(
+        self, latencies: list[float], elapsed: float, cpu: float = 0.0, cpu_ticks: float = 0.0
+    ) -> None:
+        self.latencies += latencies
+        self.elapsed += elapsed
+        self.cpu_per_pass.append(cpu / len(latencies))
+        self.cpu += cpu
+        self.cpu_ticks += cpu_ticks
+
+    @property
+    def rate(self) -> float:
+        return len(self.latencies) / self.elapsed
+
+    @property
+    def cpu_per_turn(self) -> float:
+        """The median pass's: one pass that a neighbour's burst slowed does not move it."""
+        return statistics.median(self.cpu_per_pass)
+
+
+def paired_cpu_ratios(runs: dict[tuple[Mode, str], PathRun], mode: Mode, d: str) -> list[float]:
+    """Per round: a dialect's CPU per turn over the baseline's in the same round (they ran back
+    to back, so the machine's state was about the same)."""
+    base = runs[mode, BASELINE].cpu_per_pass
+    return [x / y for x, y in zip(runs[mode, d].cpu_per_pass, base, strict=True)]
+
+
+async def record_conversations(
+    gateway: str, sessions: int, turns: int, max_tokens: int, tools: tuple[ToolDef, ...]
+) -> list[list[tuple[Prompt, Reply]]]:
+    """Warm-up: play each conversation once through the gateway (Chat Completions), so that
+    the assistant turns are the model's own."""
+    async with aiohttp.ClientSession(connector=_connector()) as http:
+
+        async def one(k: int) -> list[tuple[Prompt, Reply]]:
+            session = await new_session(http, gateway)
+            played = await play(
+                http, WIRES[BASELINE], session, WeatherScript(k, tools), turns, max_tokens, False
+            )
+            await delete_session(http, gateway, session["id"])
+            return [(prompt, reply) for _, prompt, reply in played]
+
+        return list(await asyncio.gather(*(one(k) for k in range(sessions))))
+
+
+def render_turns(
+    renderer: GatewayRenderer, conversations: list[list[tuple[Prompt, Reply]]], max_tokens: int
+) -> tuple[list[list[Turn]], list[str]]:
+    """Every turn's prompt ids as each dialect renders it; the turns (with the baseline's
+    ids) and a line per turn where a dialect's ids differ from the baseline's."""
+    out: list[list[Turn]] = []
+    problems: list[str] = []
+    for k, conversation in enumerate(conversations):
+        turns = []
+        for t, (prompt, _) in enumerate(conversation):
+            ids = {d: renderer.prompt_ids(d, prompt, max_tokens) for d in DIALECTS}
+            for d in DIALECTS[1:]:
+                if ids[d] != ids[BASELINE]:
+                    problems.append(
+                        f"conversation {k} turn {t + 1}: {d} vs {BASELINE}: "
+                        + renderer.difference(ids[d], ids[BASELINE])
+                    )
+            turns.append(Turn(prompt, ids[BASELINE], max_tokens))
+        out.append(turns)
+    return out, problems
+
+
+async def check_recorded(
+    gateway: str, renderer: GatewayRenderer, turns: int, max_tokens: int, tools: tuple[ToolDef, ...]
+) -> tuple[dict[str, tuple[int, int, bool]], list[str]]:
+    """One conversation played through the gateway in each dialect, one turn at a time (so the
+    greedy replies cannot differ by batch): per dialect (turns whose prompt ids, rendered here,
+    start a sample the gateway recorded; turns; recorded tokens equal to the baseline's)."""
+    recorded: dict[str, list[list[int]]] = {}
+    found: dict[str, int] = {}
+    async with aiohttp.ClientSession() as http:
+        for d in DIALECTS:
+            session = await new_session(http, gateway)
+            played = await play(
+                http, WIRES[d], session, WeatherScript(0, tools), turns, max_tokens, False
+            )
+            recorded[d] = [s["tokens"] for s in await samples(http, gateway, session["id"])]
+            await delete_session(http, gateway, session["id"])
+            found[d] = 0
+            for _, prompt, _ in played:
+                ids = renderer.prompt_ids(d, prompt, max_tokens)
+                found[d] += any(tokens[: len(ids)] == ids for tokens in recorded[d])
+    out = {}
+    problems = []
+    for d in DIALECTS:
+        same = recorded[d] == recorded[BASELINE]
+        if not same:
+            a = [t for s in recorded[d] for t in s]
+            b = [t for s in recorded[BASELINE] for t in s]
+            problems.append(
+                f"recorded tokens, {d} vs {BASELINE} ({len(recorded[d])} vs "
+                f"{len(recorded[BASELINE])} samples): " + renderer.difference(a, b)
+            )
+        out[d] = (found[d], turns, same)
+    return out, problems
+
+
+async def run_direct(
+    engine: str, conversations: list[list[Turn]], stream: bool
+) -> tuple[list[float], float]:
+    async with aiohttp.ClientSession(connector=_connector()) as http:
 
         async def one(turns: list[Turn]) -> list[float]:
             out = []
@@ -182,11 +956,15 @@ async def run_direct(engine: str, conversations: list[list[Turn]]) -> tuple[list
                     "input_ids": turn.input_ids,
                     "sampling_params": {"max_new_tokens": turn.max_new_tokens, "temperature": 0},
                     "return_logprob": True,
+                    "stream": stream,
                 }
+                data = json.dumps(payload).encode()
                 t0 = time.perf_counter()
-                async with http.post(f"{engine}/generate", json=payload) as r:
+                async with http.post(
+                    f"{engine}/generate", data=data, headers={"Content-Type": "application/json"}
+                ) as r:
                     r.raise_for_status()
-                    await r.json()
+                    await r.read()
                 out.append(time.perf_counter() - t0)
             return out
 
@@ -195,37 +973,35 @@ async def run_direct(engine: str, conversations: list[list[Turn]]) -> tuple[list
         return [x for xs in lat for x in xs], time.perf_counter() - t0
 
 
-async def run_gateway(gateway: str, conversations: list[list[Turn]]) -> tuple[list[float], float]:
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as http:
-        sessions = [await new_session(http, gateway) for _ in conversations]
-
-        async def one(session: dict[str, Any], turns: list[Turn]) -> list[float]:
-            # Played live, as an agent would: each turn's history holds the replies this
-            # session got (batch composition can change a greedy reply; replaying the warm-up's
-            # replies would make every such turn a fork).
-            out = []
-            history: list[dict[str, Any]] = []
-            for turn in turns:
-                history.append(turn.body["messages"][-1])
-                t0 = time.perf_counter()
-                reply = await chat(http, session, {**turn.body, "messages": list(history)})
-                out.append(time.perf_counter() - t0)
-                content = reply["choices"][0]["message"].get("content") or ""
-                history.append({"role": "assistant", "content": content})
-            return out
-
+async def run_gateway(
+    gateway: str,
+    pid: int,
+    wire: Wire,
+    sessions: int,
+    turns: int,
+    max_tokens: int,
+    stream: bool,
+    tools: tuple[ToolDef, ...],
+) -> tuple[list[float], float, float, float]:
+    """(latencies, seconds, gateway CPU seconds by schedstat and by utime + stime) of
+    ``sessions`` conversations played live."""
+    async with aiohttp.ClientSession(connector=_connector()) as http:
+        opened = [await new_session(http, gateway) for _ in range(sessions)]
+        await settle(pid)
+        cpu0, ticks0 = cpu_seconds_fine(pid), cpu_seconds(pid)
         t0 = time.perf_counter()
-        lat = await asyncio.gather(
-            *(one(s, c) for s, c in zip(sessions, conversations, strict=True))
+        played = await asyncio.gather(
+            *(
+                play(http, wire, s, WeatherScript(k, tools), turns, max_tokens, stream)
+                for k, s in enumerate(opened)
+            )
         )
         elapsed = time.perf_counter() - t0
-        for s in sessions:
-            async with http.delete(
-                f"{gateway}/sessions/{s['id']}", headers={"Authorization": f"Bearer {ADMIN}"}
-            ):
-                pass
-        return [x for xs in lat for x in xs], elapsed
+        await settle(pid)  # the last turns' recording
+        cpu, ticks = cpu_seconds_fine(pid) - cpu0, cpu_seconds(pid) - ticks0
+        for s in opened:
+            await delete_session(http, gateway, s["id"])
+        return [took for xs in played for took, _, _ in xs], elapsed, cpu, ticks
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -233,155 +1009,464 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-async def fill_sessions(gateway: str, sessions: int, turns: int) -> int:
+def measure_level(
+    engine: str,
+    gateway: str,
+    pid: int,
+    conversations: list[list[Turn]],
+    args: argparse.Namespace,
+    tools: tuple[ToolDef, ...],
+    progress: Progress,
+) -> dict[tuple[Mode, str], PathRun]:
+    """Every path at one concurrency; ``direct`` and each dialect, plain and streamed."""
+    n = len(conversations)
+    rounds = max(3, -(-args.min_turns // (n * args.turns)))
+    runs: dict[tuple[Mode, str], PathRun] = {
+        (mode, path): PathRun() for mode in MODES for path in ("direct", *DIALECTS)
+    }
+    task = progress.add_task(f"{n} session(s)", total=rounds * len(runs))
+    for r in range(rounds):
+        # Alternate the paths round by round so none always runs on a warmer (or busier)
+        # machine; the direct baseline of a mode runs right before its dialects.
+        order = DIALECTS[r % 3 :] + DIALECTS[: r % 3]
+        for mode in MODES if r % 2 == 0 else MODES[::-1]:
+            stream = mode == "stream"
+            runs[mode, "direct"].add(*asyncio.run(run_direct(engine, conversations, stream)))
+            progress.advance(task)
+            for d in order:
+                runs[mode, d].add(
+                    *asyncio.run(
+                        run_gateway(
+                            gateway, pid, WIRES[d], n, args.turns, args.max_tokens, stream, tools
+                        )
+                    )
+                )
+                progress.advance(task)
+    progress.remove_task(task)
+    return runs
+
+
+async def fill_sessions(gateway: str, sessions: int, turns: int, tools: tuple[ToolDef, ...]) -> int:
     """Long multi-turn sessions held by the gateway; returns the tokens they hold."""
-    async with aiohttp.ClientSession() as http:
+    async with aiohttp.ClientSession(connector=_connector()) as http:
 
         async def one(k: int) -> int:
             session = await new_session(http, gateway)
-            messages: list[dict[str, Any]] = []
-            for t in range(turns):
-                messages.append({"role": "user", "content": USER_TURNS[(k + t) % len(USER_TURNS)]})
-                reply = await chat(
-                    http,
-                    session,
-                    {
-                        "model": "tiny",
-                        "messages": list(messages),
-                        "temperature": 0,
-                        "max_tokens": 16,
-                    },
-                )
-                messages.append(
-                    {
-                        "role": "assistant",
-                        "content": reply["choices"][0]["message"].get("content") or "",
-                    }
-                )
-            async with http.get(
-                f"{session['base_url'].rsplit('/v1', 1)[0]}/samples",
-                headers={"Authorization": f"Bearer {ADMIN}"},
-            ) as r:
-                return sum(len(s["tokens"]) for s in await r.json())
+            script = WeatherScript(k, tools)
+            await play(http, WIRES[BASELINE], session, script, turns, 48, False)
+            return sum(len(s["tokens"]) for s in await samples(http, gateway, session["id"]))
 
         return sum(await asyncio.gather(*(one(k) for k in range(sessions))))
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sessions", type=int, nargs="+", default=[1, 64, 256])
-    parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument(
-        "--min-turns", type=int, default=400, help="turns per path and level, at least"
+# ---- part 2: long sessions -------------------------------------------------------------------
+
+
+@dataclass
+class Step:
+    """One turn of a dialect's long sessions, each session's turn measured on its own."""
+
+    cpu: list[float]  # gateway CPU seconds, per session
+    latency: list[float]  # seconds to the answer, per session
+    prompt_tokens: int
+    body_bytes: int
+
+    @property
+    def cpu_median(self) -> float:
+        return statistics.median(self.cpu)
+
+
+async def long_sessions(
+    gateway: str,
+    pid: int,
+    sessions: int,
+    turns: int,
+    result_chars: int,
+    progress: Progress,
+) -> dict[str, list[Step]]:
+    """Every dialect's sessions in lockstep: turn t of one dialect's sessions, then of the
+    next (rotating), so that the machine's mood shifts hit all dialects alike. Each request runs
+    alone between two idle points of the gateway, so its CPU (recording included) is its own;
+    a turn's figure is the median over the sessions (a GC pass or a preemption hits one)."""
+    start = claude_code_start()
+    steps: dict[str, list[Step]] = {d: [] for d in DIALECTS}
+    task = progress.add_task("long sessions (turns)", total=turns)
+    async with aiohttp.ClientSession(connector=_connector()) as http:
+        for d in DIALECTS:  # warm-up: first-use costs (template compilation, imports)
+            warm = await new_session(http, gateway)
+            await play(http, WIRES[d], warm, CodingScript(start, result_chars), 3, 64, False)
+            await delete_session(http, gateway, warm["id"])
+        opened = {d: [await new_session(http, gateway) for _ in range(sessions)] for d in DIALECTS}
+        scripts = {
+            d: [CodingScript(start, result_chars) for _ in range(sessions)] for d in DIALECTS
+        }
+        for t in range(turns):
+            for d in DIALECTS[t % 3 :] + DIALECTS[: t % 3]:
+                wire = WIRES[d]
+                step = Step([], [], 0, 0)
+                for session, script in zip(opened[d], scripts[d], strict=True):
+                    prompt = script.next_prompt()
+                    step.body_bytes = step.body_bytes or len(
+                        json.dumps(wire.body(prompt, 64, False))
+                    )
+                    await settle(pid)
+                    cpu0 = cpu_seconds_fine(pid)
+                    took, reply = await ask(http, wire, session, prompt, 64, False)
+                    await settle(pid)
+                    step.cpu.append(cpu_seconds_fine(pid) - cpu0)
+                    step.latency.append(took)
+                    step.prompt_tokens = reply.prompt_tokens
+                    script.answer(reply.message)
+                steps[d].append(step)
+            progress.advance(task)
+        for d in DIALECTS:
+            for s in opened[d]:
+                await delete_session(http, gateway, s["id"])
+    progress.remove_task(task)
+    return steps
+
+
+# ---- output ----------------------------------------------------------------------------------
+
+
+def mark(ok: bool) -> str:
+    return "[green]PASS[/green]" if ok else "[red]FAIL[/red]"
+
+
+def ms(seconds: float) -> str:
+    return f"{1e3 * seconds:.2f}"
+
+
+async def metric_lines(gateway: str, prefix: str) -> list[str]:
+    async with aiohttp.ClientSession() as http, http.get(f"{gateway}/metrics") as r:
+        text = await r.text()
+    return [line for line in text.splitlines() if line.startswith(prefix)]
+
+
+def dialect_table(results: dict[int, dict[tuple[Mode, str], PathRun]]) -> Table:
+    table = Table(title="straight to the engine vs through the gateway, per dialect (per turn)")
+    for col in (
+        "sessions",
+        "mode",
+        "dialect",
+        "turns",
+        "direct turns/s",
+        "gateway turns/s",
+        "ratio",
+        "direct p50 ms",
+        "gateway p50 ms",
+        "added p50 ms",
+        "added p99 ms",
+        "gateway CPU ms/turn (median pass)",
+        f"CPU vs {BASELINE} (per-round median)",
+    ):
+        table.add_column(col, justify="right")
+    for n, runs in results.items():
+        for mode in MODES:
+            direct = runs[mode, "direct"]
+            for d in DIALECTS:
+                gw = runs[mode, d]
+                table.add_row(
+                    str(n),
+                    mode,
+                    d,
+                    str(len(gw.latencies)),
+                    f"{direct.rate:.1f}",
+                    f"{gw.rate:.1f}",
+                    f"{gw.rate / direct.rate:.3f}",
+                    ms(statistics.median(direct.latencies)),
+                    ms(statistics.median(gw.latencies)),
+                    ms(statistics.median(gw.latencies) - statistics.median(direct.latencies)),
+                    ms(pct(gw.latencies, 0.99) - pct(direct.latencies, 0.99)),
+                    ms(gw.cpu_per_turn),
+                    f"{statistics.median(paired_cpu_ratios(runs, mode, d)):.3f}",
+                )
+        table.add_section()
+    return table
+
+
+def at_turns(wanted: Sequence[int], turns: int) -> list[int]:
+    return sorted({min(max(1, t), turns) for t in wanted})
+
+
+def long_table(steps: dict[str, list[Step]], report: list[int], sessions: int) -> Table:
+    table = Table(
+        title=f"long sessions: Claude Code's first request + one tool call and result per turn, "
+        f"{sessions} session(s) per dialect, stand-in engine (the gateway's cost only)"
     )
+    for col in (
+        "dialect",
+        "turn",
+        "prompt tokens",
+        "body KB",
+        "CPU ms (median)",
+        "CPU ms (min-max)",
+        "latency ms (median)",
+        f"CPU vs turn {report[0]}",
+    ):
+        table.add_column(col, justify="left" if col == "dialect" else "right")
+    for d, ss in steps.items():
+        first = ss[report[0] - 1].cpu_median
+        for t in report:
+            s = ss[t - 1]
+            table.add_row(
+                d,
+                str(t),
+                str(s.prompt_tokens),
+                f"{s.body_bytes / 1e3:.0f}",
+                ms(s.cpu_median),
+                f"{ms(min(s.cpu))}-{ms(max(s.cpu))}",
+                ms(statistics.median(s.latency)),
+                f"{s.cpu_median / first:.3f}",
+            )
+        table.add_section()
+    return table
+
+
+def targets_table(
+    results: dict[int, dict[tuple[Mode, str], PathRun]],
+    same_ids: bool,
+    steps: dict[str, list[Step]] | None,
+    report: list[int],
+) -> tuple[Table, bool]:
+    table = Table(title="targets")
+    for col in ("target", "dialect", "mode", "value", ""):
+        table.add_column(col, justify="right" if col == "value" else "left")
+    table.add_row("same engine prompt ids in every dialect", "all", "both", "", mark(same_ids))
+    passed = same_ids
+    low, high = min(results), max(results)
+
+    def row(target: str, d: str, mode: str, value: str, ok: bool) -> None:
+        nonlocal passed
+        passed = passed and ok
+        table.add_row(target, d, mode, value, mark(ok))
+
+    for mode in MODES:
+        for d in DIALECTS:
+            runs = results[low]
+            added = statistics.median(runs[mode, d].latencies) - statistics.median(
+                runs[mode, "direct"].latencies
+            )
+            row(f"added p50 <= 1 ms ({low} session(s))", d, mode, f"{ms(added)} ms", added <= 1e-3)
+        for d in DIALECTS:
+            runs = results[high]
+            ratio = runs[mode, d].rate / runs[mode, "direct"].rate
+            row(f"throughput ratio >= 0.9 ({high} sessions)", d, mode, f"{ratio:.3f}", ratio >= 0.9)
+        for d in DIALECTS[1:]:
+            ratio = statistics.median(
+                x for runs in results.values() for x in paired_cpu_ratios(runs, mode, d)
+            )
+            row(
+                f"CPU/turn within 10% of {BASELINE}'s (median of per-round ratios, all levels)",
+                d,
+                mode,
+                f"{ratio:.3f}",
+                ratio <= 1 + MAX_CPU_VS_BASELINE,
+            )
+    if steps is not None:
+        first, last = report[0], report[-1]
+        for d, ss in steps.items():
+            growth = ss[last - 1].cpu_median / ss[first - 1].cpu_median
+            row(
+                f"long session: turn {last} CPU within 20% of turn {first}'s",
+                d,
+                "plain",
+                f"{growth:.3f}",
+                growth <= 1 + MAX_LONG_GROWTH,
+            )
+    return table, passed
+
+
+# ---- main ------------------------------------------------------------------------------------
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a short run (about 2-3 minutes on 2 cores): 1 and 16 sessions, fewer rounds, "
+        "2 long sessions per dialect, small memory fill; explicit flags still win",
+    )
+    parser.add_argument("--sessions", type=int, nargs="+", help="concurrencies (default 1 64)")
+    parser.add_argument("--turns", type=int, default=4, help="turns per conversation")
+    parser.add_argument(
+        "--max-tokens", type=int, default=48, help="output tokens per turn, at most"
+    )
+    parser.add_argument("--min-turns", type=int, help="turns per path and level, at least (400)")
     parser.add_argument("--model", help="model folder (default: build the tiny model)")
-    parser.add_argument("--memory-sessions", type=int, default=32)
-    parser.add_argument("--memory-turns", type=int, default=30)
+    parser.add_argument("--long-sessions", type=int, help="long sessions per dialect (8)")
+    parser.add_argument("--long-turns", type=int, default=128, help="turns per long session")
+    parser.add_argument(
+        "--long-report", type=int, nargs="+", default=[1, 32, 128], help="turns to report"
+    )
+    parser.add_argument(
+        "--long-result-chars", type=int, default=600, help="characters of each tool result"
+    )
+    parser.add_argument("--skip-long", action="store_true", help="no long-session part")
+    parser.add_argument("--memory-sessions", type=int, help="sessions for the memory fill (32)")
+    parser.add_argument("--memory-turns", type=int, help="turns per memory session (30)")
+    # The bench's own child processes.
+    parser.add_argument("--serve", choices=["gateway", "stand-in"], help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--engine-url", help=argparse.SUPPRESS)
+    parser.add_argument("--max-context-tokens", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    console = Console()
+    defaults = {
+        "sessions": ([1, 16], [1, 64]),
+        "min_turns": (80, 400),
+        "long_sessions": (2, 8),
+        "memory_sessions": (8, 32),
+        "memory_turns": (10, 30),
+    }
+    for name, (quick, full) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    if args.serve == "gateway":
+        serve_gateway(args.engine_url, args.model, args.port, args.max_context_tokens)
+        return 0
+    if args.serve == "stand-in":
+        serve_stand_in(args.model, args.port)
+        return 0
+    # Wide enough for the tables when the output goes to a file or a pipe.
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    started = time.perf_counter()
 
     model = args.model
     if model is None:
-        from corral.engines.tiny_model import cached_tiny_model
-
         console.print("the tiny model (built once, then cached) ...")
         model = str(cached_tiny_model("qwen25"))
-    from corral.serving import free_port
-
-    ep, gp = free_port(), free_port()
+    console.print(
+        f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at the start "
+        "(other jobs on this machine share the cores)"
+    )
+    tools = weather_tools()
+    long_context = 4_000_000
+    renderer = GatewayRenderer(model, max(model_context_length(model), long_context))
     env = {**os.environ, "OMP_NUM_THREADS": "1", ADMIN_VAR: ADMIN}
+    corral = [sys.executable, "-m", "corral.cli"]
+    results: dict[int, dict[tuple[Mode, str], PathRun]] = {}
+    problems: list[str] = []
+    ep, gp = free_port(), free_port()
     engine = f"http://127.0.0.1:{ep}"
     gateway = f"http://127.0.0.1:{gp}"
-    corral = [sys.executable, "-m", "corral.cli"]
+    gateway_args = [
+        *corral,
+        "gateway",
+        *("--engine-url", engine, "--model", model, "--port", str(gp)),
+        *("--admin-token-var", ADMIN_VAR),
+    ]
     with (
         process([*corral, "engine", "--model", model, "--port", str(ep)], env, f"{engine}/health"),
-        process(
-            [
-                *corral,
-                "gateway",
-                "--engine-url",
-                engine,
-                "--model",
-                model,
-                "--port",
-                str(gp),
-                "--admin-token-var",
-                ADMIN_VAR,
-            ],
-            env,
-            f"{gateway}/health",
-        ) as gw_proc,
+        process(gateway_args, env, f"{gateway}/health") as gw_proc,
+        Progress(console=console, transient=True) as progress,
     ):
-        table = Table(title="straight to the engine vs through the gateway (per turn)")
-        for col in (
-            "sessions",
-            "turns",
-            "direct turns/s",
-            "gateway turns/s",
-            "ratio",
-            "direct p50 ms",
-            "gateway p50 ms",
-            "added p50 ms",
-            "added p99 ms",
-            "gateway CPU ms/turn",
-        ):
-            table.add_column(col, justify="right")
-        with Progress(console=console, transient=True) as progress:
-            task = progress.add_task("concurrency levels", total=len(args.sessions))
-            for n in args.sessions:
-                conversations = asyncio.run(
-                    record_conversations(gateway, model, n, args.turns, args.max_tokens)
-                )
-                # Enough rounds for stable percentiles; alternate the paths round by round so
-                # neither always runs on a warmer (or busier) machine.
-                rounds = max(2, -(-args.min_turns // (n * args.turns)))
-                direct: list[float] = []
-                gw: list[float] = []
-                d_time = g_time = g_cpu = 0.0
-                for _ in range(rounds):
-                    lat, took = asyncio.run(run_direct(engine, conversations))
-                    direct += lat
-                    d_time += took
-                    cpu0 = cpu_seconds(gw_proc.pid)
-                    lat, took = asyncio.run(run_gateway(gateway, conversations))
-                    g_cpu += cpu_seconds(gw_proc.pid) - cpu0
-                    gw += lat
-                    g_time += took
-                d_tps = len(direct) / d_time
-                g_tps = len(gw) / g_time
-                table.add_row(
-                    str(n),
-                    str(len(gw)),
-                    f"{d_tps:.1f}",
-                    f"{g_tps:.1f}",
-                    f"{g_tps / d_tps:.3f}",
-                    f"{1e3 * statistics.median(direct):.2f}",
-                    f"{1e3 * statistics.median(gw):.2f}",
-                    f"{1e3 * (statistics.median(gw) - statistics.median(direct)):.2f}",
-                    f"{1e3 * (pct(gw, 0.99) - pct(direct, 0.99)):.2f}",
-                    f"{1e3 * g_cpu / len(gw):.2f}",
-                )
-                progress.advance(task)
+        checked, found = asyncio.run(
+            check_recorded(gateway, renderer, args.turns, args.max_tokens, tools)
+        )
+        problems += found
+        table = Table(title="the same conversation played in each dialect, one turn at a time")
+        for col in ("dialect", "turns whose prompt ids start a recorded sample", "recorded"):
+            table.add_column(col)
+        for d, (hits, turns, same) in checked.items():
+            same_text = "same tokens as chat_completions" if same else "[red]differs[/red]"
+            table.add_row(d, f"{hits} of {turns}", same_text)
         console.print(table)
-
-        metrics = asyncio.run(_get_text(f"{gateway}/metrics"))
-        decisions = [
-            line for line in metrics.splitlines() if line.startswith("corral_gateway_merge_")
+        for n in args.sessions:
+            played = asyncio.run(
+                record_conversations(gateway, n, args.turns, args.max_tokens, tools)
+            )
+            conversations, found = render_turns(renderer, played, args.max_tokens)
+            problems += found
+            results[n] = measure_level(
+                engine, gateway, gw_proc.pid, conversations, args, tools, progress
+            )
+        console.print(
+            f"prompt ids: every warm-up turn ({sum(args.sessions) * args.turns} per dialect) "
+            f"rendered by the gateway's code for each dialect; "
+            f"{'all equal' if not problems else f'{len(problems)} difference(s)'}"
+        )
+        for line in problems[:10]:
+            console.print(f"[red]{line}[/red]")
+        console.print(dialect_table(results))
+        gateway_runs = [
+            r for runs in results.values() for (_, p), r in runs.items() if p != "direct"
         ]
+        console.print(
+            f"gateway CPU over these passes: {sum(r.cpu for r in gateway_runs):.2f} s by "
+            f"schedstat (used above), {sum(r.cpu_ticks for r in gateway_runs):.2f} s by "
+            "utime + stime"
+        )
+        decisions = asyncio.run(metric_lines(gateway, "corral_gateway_merge_"))
         console.print("merge decisions during the benchmark: " + "; ".join(decisions))
 
         before = rss_bytes(gw_proc.pid)
-        tokens = asyncio.run(fill_sessions(gateway, args.memory_sessions, args.memory_turns))
+        tokens = asyncio.run(fill_sessions(gateway, args.memory_sessions, args.memory_turns, tools))
         after = rss_bytes(gw_proc.pid)
-        per_session = (after - before) / args.memory_sessions
         console.print(
             f"memory: {args.memory_sessions} sessions x {args.memory_turns} turns hold "
             f"{tokens} tokens; gateway RSS +{(after - before) / 1e6:.1f} MB = "
-            f"{per_session / 1e3:.1f} kB per session, "
+            f"{(after - before) / args.memory_sessions / 1e3:.1f} kB per session, "
             f"{(after - before) / max(tokens, 1):.1f} B per held token"
         )
-    return 0
+
+    steps = None
+    report = at_turns(args.long_report, args.long_turns)
+    if not args.skip_long:
+        sp, lp = free_port(), free_port()
+        stand_in = f"http://127.0.0.1:{sp}"
+        long_gateway = f"http://127.0.0.1:{lp}"
+        me = [sys.executable, str(Path(__file__).resolve()), "--model", model]
+        start = claude_code_start()
+        first = {d: renderer.prompt_ids(d, start, 64) for d in DIALECTS}
+        for d in DIALECTS[1:]:
+            if first[d] != first[BASELINE]:
+                problems.append(
+                    f"Claude Code's first request, {d} vs {BASELINE}: "
+                    + renderer.difference(first[d], first[BASELINE])
+                )
+                console.print(f"[red]{problems[-1]}[/red]")
+        with (
+            process([*me, "--serve", "stand-in", "--port", str(sp)], env, f"{stand_in}/health"),
+            process(
+                [
+                    *me,
+                    *("--serve", "gateway", "--port", str(lp), "--engine-url", stand_in),
+                    *("--max-context-tokens", str(long_context)),
+                ],
+                env,
+                f"{long_gateway}/health",
+            ) as long_proc,
+            Progress(console=console, transient=True) as progress,
+        ):
+            steps = asyncio.run(
+                long_sessions(
+                    long_gateway,
+                    long_proc.pid,
+                    args.long_sessions,
+                    args.long_turns,
+                    args.long_result_chars,
+                    progress,
+                )
+            )
+            decisions = asyncio.run(metric_lines(long_gateway, "corral_gateway_merge_"))
+        same_first = all(first[d] == first[BASELINE] for d in DIALECTS)
+        console.print(
+            f"Claude Code's first request: {len(first[BASELINE])} prompt ids, "
+            f"{'the same' if same_first else 'NOT the same'} in every dialect"
+        )
+        console.print(long_table(steps, report, args.long_sessions))
+        console.print("long-session merge decisions: " + "; ".join(decisions))
+
+    table, passed = targets_table(results, not problems, steps, report)
+    console.print(table)
+    console.print(f"took {time.perf_counter() - started:.0f} s")
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":

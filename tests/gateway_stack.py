@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 from transformers import AutoTokenizer
 
-from corral.engines.protocol import GenerateRequest, GenerateResponse, ModelInfo
+from corral.engines.protocol import GenerateRequest, GenerateResponse, ModelInfo, SamplingParams
 from corral.engines.sglang import SGLangClient
 from corral.engines.stream import StreamDelta
 from corral.gateway.app import build_gateway_app
@@ -33,6 +33,7 @@ AUTH = {"Authorization": f"Bearer {ADMIN}"}
 class EngineCall:
     input_ids: list[int]
     rid: str | None = None
+    sampling: SamplingParams | None = None
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finished: bool = False
@@ -51,7 +52,7 @@ class RecordingEngine:
         self.stall_after: int | None = None
 
     async def generate(self, req: GenerateRequest) -> GenerateResponse:
-        call = EngineCall(list(req.input_ids), rid=req.rid)
+        call = EngineCall(list(req.input_ids), rid=req.rid, sampling=req.sampling_params)
         self.calls.append(call)
         if self.stall_after is not None:
             await asyncio.Event().wait()
@@ -62,7 +63,7 @@ class RecordingEngine:
         return res
 
     async def stream(self, req: GenerateRequest) -> AsyncIterator[StreamDelta]:
-        call = EngineCall(list(req.input_ids), rid=req.rid)
+        call = EngineCall(list(req.input_ids), rid=req.rid, sampling=req.sampling_params)
         self.calls.append(call)
         async for delta in self.inner.stream(req):
             if self.stall_after is not None and len(call.output_ids) >= self.stall_after:

@@ -290,16 +290,20 @@ def test_tool_choice_forces_or_forbids_calls(stack: Stack) -> None:
         )
         return r, stack.tokenizer.decode(stack.engine.calls[-1].input_ids)
 
-    # "any" and a named tool force the call's opening into the prompt (never sampled).
+    # "any" and a named tool are guaranteed by the engine's grammar, nothing is forced into
+    # the prompt: the reply is exactly valid calls of the offered (or the named) tool.
     forced, prompt = ask({"type": "any"})
-    assert prompt.endswith("<|im_start|>assistant\n<tool_call>\n")
-    named, prompt = ask({"type": "tool", "name": "add", "disable_parallel_tool_use": True})
-    assert prompt.endswith('<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments":')
-    for r in (forced, named):
+    assert prompt.endswith("<|im_start|>assistant\n")
+    assert stack.engine.calls[-1].sampling is not None and stack.engine.calls[-1].sampling.ebnf
+    named, prompt = ask({"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True})
+    assert prompt.endswith("<|im_start|>assistant\n")
+    for r, names in ((forced, {"get_weather", "add"}), (named, {"get_weather"})):
         uses = [b for b in r.content if b.type == "tool_use"]
-        # whatever the model writes after the opening is that call, or text: never dropped
-        assert uses or _text(r).startswith("<tool_call>")
-        assert (r.stop_reason == "tool_use") == bool(uses)
+        assert uses and {u.name for u in uses} <= names and r.stop_reason == "tool_use"
+        assert [b.type for b in r.content] == ["tool_use"] * len(uses)  # no text around
+    assert len([b for b in named.content if b.type == "tool_use"]) == 1
+    named_use = next(b for b in named.content if b.type == "tool_use")
+    assert set(named_use.input) == {"city"}  # type: ignore[arg-type]
     none, _ = ask({"type": "none"})
     assert none.stop_reason == "end_turn"
     assert [b.type for b in none.content] == ["text"] and "<tool_call>" in _text(none)

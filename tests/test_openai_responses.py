@@ -361,20 +361,24 @@ def test_namespace_tools_are_flattened_for_the_model(stack: Stack) -> None:
 
 
 def test_tool_choice_named_and_required_force_a_call(stack: Stack) -> None:
+    """Forced calls are guaranteed by the engine's grammar (``ebnf``), not by a prompt prefix:
+    even where the model would answer in prose, the reply is exactly a valid call."""
     s = stack.session()
     client = _client(s)
-    client.responses.create(
+    named = client.responses.create(
         model="tiny",
         input="Say hello.",
         tools=RESPONSE_TOOLS,  # type: ignore[arg-type]
         tool_choice={"type": "function", "name": "get_weather"},
-        max_output_tokens=30,
+        max_output_tokens=60,
         temperature=0,
     )
-    assert _prompt(stack).endswith(
-        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments":'
-    )
-    client.responses.create(
+    assert _prompt(stack).endswith("<|im_start|>assistant\n")  # nothing forced into the prompt
+    assert stack.engine.calls[-1].sampling is not None and stack.engine.calls[-1].sampling.ebnf
+    calls = [item for item in named.output if item.type == "function_call"]
+    assert [c.name for c in calls] == ["get_weather"]  # type: ignore[union-attr]
+    assert isinstance(json.loads(calls[0].arguments)["city"], str)  # type: ignore[union-attr]
+    required = client.responses.create(
         model="tiny",
         input="Say hello.",
         tools=RESPONSE_TOOLS,  # type: ignore[arg-type]
@@ -383,12 +387,15 @@ def test_tool_choice_named_and_required_force_a_call(stack: Stack) -> None:
             "mode": "required",
             "tools": [{"type": "function", "name": "add"}],
         },
-        max_output_tokens=30,
+        max_output_tokens=60,
         temperature=0,
     )
-    prompt = _prompt(stack)
-    assert prompt.endswith("<|im_start|>assistant\n<tool_call>\n")
-    assert '"name": "add"' in prompt and '"name": "get_weather"' not in prompt
+    assert '"name": "add"' in _prompt(stack) and '"name": "get_weather"' not in _prompt(stack)
+    calls = [item for item in required.output if item.type == "function_call"]
+    assert calls and {c.name for c in calls} == {"add"}  # type: ignore[union-attr]
+    for c in calls:
+        args = json.loads(c.arguments)  # type: ignore[union-attr]
+        assert set(args) == {"a", "b"} and all(isinstance(v, int) for v in args.values())
 
 
 # -- fields ---------------------------------------------------------------------------------------
@@ -745,7 +752,7 @@ def test_request_fields_map_onto_the_turn() -> None:
     assert (request.sampling.temperature, request.sampling.top_p) == (0.5, 0.9)
     assert request.sampling.max_tokens == 7
     assert request.thinking is False
-    assert request.output == JsonOutput(schema)
+    assert request.output == JsonOutput(schema, param="text.format")
     assert request.messages[0].role == "user" and not request.stream
 
 

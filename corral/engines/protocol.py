@@ -11,11 +11,19 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class SamplingParams(BaseModel):
-    """SGLang's ``sampling_params``. Defaults follow SGLang."""
+    """SGLang's ``sampling_params``. Defaults follow SGLang.
+
+    Constrained decoding, as SGLang: at most one of ``json_schema`` (a JSON Schema, as a JSON
+    string; SGLang's OpenAI layer sends ``'{"type": "object"}'`` for ``response_format``
+    ``json_object``), ``regex`` (the whole output matches it) and ``ebnf`` (a grammar) may be
+    set. The engine guarantees the output (up to ``max_new_tokens``) is in the constraint's
+    language; what syntax each accepts depends on the engine's grammar backend (the local
+    engine's: :mod:`corral.engines.local.grammar`).
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -29,6 +37,22 @@ class SamplingParams(BaseModel):
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     sampling_seed: int | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    # OpenAI's semantics, as SGLang's: subtracted from a token's logit per time it was generated
+    # (frequency) and once if it was (presence); logit_bias adds to a token's logit (keys are
+    # token ids as strings).
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> SamplingParams:
+        # SGLang's check (SamplingParams.verify), with its message.
+        if sum(c is not None for c in (self.json_schema, self.regex, self.ebnf)) > 1:
+            raise ValueError("Only one of regex, json_schema, or ebnf can be set.")
+        return self
 
 
 class GenerateRequest(BaseModel):

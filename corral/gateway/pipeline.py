@@ -31,6 +31,8 @@ from corral.engines.client import EngineClient
 from corral.engines.errors import EngineError
 from corral.engines.protocol import FinishReason, GenerateRequest, LogprobEntry, SamplingParams
 from corral.engines.stream import StreamDelta
+from corral.gateway import constraints
+from corral.gateway.constraints import EngineConstraint, UnsupportedConstraint
 from corral.gateway.detokenize import IncrementalDetokenizer
 from corral.gateway.errors import GatewayError, bad_request, engine_error
 from corral.gateway.parsers.reasoning import get_reasoning_parser
@@ -74,25 +76,9 @@ log = logging.getLogger(__name__)
 # one large prompt (a coding agent's 50 KB first request) does not stall the event loop.
 OFFLOAD_CHARACTERS = 16_384
 
-# Text forced after the generation prompt to honour tool_choice "required" / a named function,
-# per tool-call format. The forced text is part of the prompt (never sampled, loss mask 0), and
-# the next turn's re-rendered history contains it, so merging is unaffected.
-_REQUIRED_PREFILL = {
-    "qwen25": "<tool_call>\n",
-    "qwen3_coder": "<tool_call>\n<function=",
-    "llama3": '{"name": "',
-}
 # What ends one call, per tool-call format: with parallel_tool_calls false, generation stops
 # there (a stop string kept in the output), so a reply holds at most one call.
 _CALL_END = {"qwen25": "</tool_call>", "qwen3_coder": "</tool_call>"}
-# Never ending on a space: byte-level BPE merges a space into the token after it (' {"'), so
-# a prefill ending on one leaves the model at a boundary it never saw in training (a named
-# tool choice made 0 valid calls in 10 with the space, 10 in 10 without).
-_NAMED_PREFILL = {
-    "qwen25": '<tool_call>\n{{"name": "{name}", "arguments":',
-    "qwen3_coder": "<tool_call>\n<function={name}>\n",
-    "llama3": '{{"name": "{name}", "parameters":',
-}
 
 
 @dataclass
@@ -104,7 +90,6 @@ class PreparedTurn:
     tools: list[dict[str, Any]] | None  # template form
     template_kwargs: dict[str, Any]
     prompt_ids: list[int]
-    prefill: str
     starts_in_reasoning: bool
     tool_specs: list[ToolSpec] | None
     parse_tools: bool
@@ -192,7 +177,7 @@ class TurnPipeline:
             kwargs.setdefault("enable_thinking", request.thinking)
         return kwargs
 
-    def render(self, session: Session, request: TurnRequest, prefill: str = "") -> PreparedTurn:
+    def render(self, session: Session, request: TurnRequest) -> PreparedTurn:
         """Render ``request``'s prompt (no sampling settings): what ``count_tokens`` needs.
 
         Raises a 400 before any rendering when the request's text alone is certainly over the
@@ -212,7 +197,7 @@ class TurnPipeline:
         tools = [t.template() for t in request.tools] or None
         kwargs = self.template_kwargs(request)
         try:
-            text = self.renderer.render_text(messages, tools, kwargs) + prefill
+            text = self.renderer.render_text(messages, tools, kwargs)
         except TemplateError as exc:
             raise bad_request(str(exc), param="messages", code="template_error") from exc
         # Only what is new since the session's earlier prompts is encoded (same ids as a
@@ -232,7 +217,6 @@ class TurnPipeline:
             tools=tools,
             template_kwargs=kwargs,
             prompt_ids=prompt_ids,
-            prefill=prefill,
             starts_in_reasoning=text.rstrip().endswith("<think>"),
             tool_specs=[ToolSpec(t.name, t.parameters) for t in request.tools] or None,
             parse_tools=parse_tools,
@@ -246,21 +230,21 @@ class TurnPipeline:
         Raises :class:`GatewayError` (400) naming what cannot be honoured.
         """
         s = request.sampling
-        if s.frequency_penalty:
-            raise _unsupported("frequency_penalty: only 0 is supported", "frequency_penalty")
-        if s.presence_penalty:
-            raise _unsupported("presence_penalty: only 0 is supported", "presence_penalty")
-        if s.logit_bias:
-            raise _unsupported("logit_bias is not supported by this gateway", "logit_bias")
-        if request.output is not None:
-            raise _unsupported("JSON output is not supported by this gateway", "response_format")
-        prepared = self.render(session, request, self._prefill(request))
+        vocab = len(self.tokenizer)
+        bad = sorted(t for t in s.logit_bias or {} if not 0 <= t < vocab)
+        if bad:
+            raise bad_request(
+                f"logit_bias names token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
+                param="logit_bias",
+            )
+        prepared = self.render(session, request)
+        constraint = self._constraint(prepared)
         room = self.context_limit(session) - len(prepared.prompt_ids)
         overrides = session.options.sampling
         wanted = overrides.get("max_tokens") or s.max_tokens
         max_new = room if wanted is None else min(int(wanted), room)
         stops = list(overrides.get("stop") or s.stop)
-        if not request.parallel_tool_calls and prepared.parse_tools:
+        if not request.parallel_tool_calls and prepared.parse_tools and constraint is None:
             end = _CALL_END.get(self.tool_parser.name)
             if end is None:
                 raise _unsupported(
@@ -284,23 +268,55 @@ class TurnPipeline:
                 stop=stops or None,
                 sampling_seed=None if seed is None else int(seed) + i,
                 skip_special_tokens=False,
+                frequency_penalty=s.frequency_penalty or 0.0,
+                presence_penalty=s.presence_penalty or 0.0,
+                logit_bias={str(k): v for k, v in s.logit_bias.items()} if s.logit_bias else None,
+                json_schema=_constraint_value(constraint, "json_schema"),
+                regex=_constraint_value(constraint, "regex"),
+                ebnf=_constraint_value(constraint, "ebnf"),
             )
             for i in range(s.n)
         ]
         return prepared
 
-    def _prefill(self, request: TurnRequest) -> str:
-        choice = request.tool_choice
-        fmt = self.tool_parser.name
-        if choice == "required":
-            if fmt not in _REQUIRED_PREFILL:
-                raise bad_request(f"tool_choice 'required' is not supported with parser {fmt}")
-            return _REQUIRED_PREFILL[fmt]
-        if isinstance(choice, NamedTool):
-            if fmt not in _NAMED_PREFILL:
-                raise bad_request(f"a named tool_choice is not supported with parser {fmt}")
-            return _NAMED_PREFILL[fmt].format(name=choice.name)
-        return ""
+    def _constraint(self, call: PreparedTurn) -> EngineConstraint | None:
+        """The engine constraint that guarantees what the request asks for: JSON output, or a
+        call for tool_choice "required" / a named function. A 400 saying why when it cannot be
+        guaranteed (never a hope: nothing is served unconstrained instead)."""
+        request = call.request
+        forced = call.parse_tools and (
+            request.tool_choice == "required" or isinstance(request.tool_choice, NamedTool)
+        )
+        try:
+            if request.output is not None:
+                if forced:
+                    raise UnsupportedConstraint(
+                        "a forced tool call and JSON output cannot both be guaranteed"
+                    )
+                if request.output.schema is None:
+                    return constraints.json_object()
+                return constraints.json_schema(request.output.schema, strict=request.output.strict)
+            if not forced:
+                return None
+            reasoning: constraints.Reasoning = (
+                "open"
+                if call.starts_in_reasoning
+                else "optional"
+                if self.reasoning_parser.name != "none"
+                else "none"
+            )
+            specs = call.tool_specs or []
+            parser = self.tool_parser.name
+            if isinstance(request.tool_choice, NamedTool):
+                return constraints.named_tool_call(
+                    parser, specs, request.tool_choice.name, reasoning=reasoning
+                )
+            return constraints.required_tool_calls(
+                parser, specs, parallel=request.parallel_tool_calls, reasoning=reasoning
+            )
+        except UnsupportedConstraint as exc:
+            param = request.output.param if request.output is not None else "tool_choice"
+            raise _unsupported(str(exc), param) from None
 
     def _engine_request(self, call: PreparedTurn, index: int, rid: str) -> GenerateRequest:
         return GenerateRequest(
@@ -386,7 +402,7 @@ class TurnPipeline:
     ) -> _Output:
         """One finished choice: ``generated`` is the decoded output (stop string not yet
         trimmed); ``call_ids`` are tool-call ids already streamed to the client, reused."""
-        text = call.prefill + _trim_stop(generated, finish, call.call_end)
+        text = _trim_stop(generated, finish, call.call_end)
         reasoning, content, calls, errors = self._split(call, text, call_ids)
         choice = ChoiceResult(
             index=index,
@@ -529,8 +545,6 @@ class TurnPipeline:
             metadata: dict[str, Any] = {"rid": o.rid, "finish_reason": o.choice.finish.reason}
             if o.parser_errors:
                 metadata["parser_errors"] = o.parser_errors
-            if call.prefill:
-                metadata["prefill"] = call.prefill
             turns.append(
                 TurnRecord(
                     prompt_ids=call.prompt_ids,
@@ -588,7 +602,6 @@ class _ChoiceStream:
         self.finish: FinishReason | None = None
         self.weight_version = "default"
         self.call_ids: list[str] = []
-        self.prefilled = False  # the forced prefill text goes to the parsers first
 
     def push(self, delta: StreamDelta) -> list[TurnEvent]:
         self.ids.extend(delta.token_ids)
@@ -596,8 +609,6 @@ class _ChoiceStream:
         self.top.extend(delta.top_logprobs or [None] * len(delta.token_ids))
         self.weight_version = delta.weight_version
         self.text += self.detok.push(delta.token_ids)
-        pieces = [] if self.prefilled else [self.call.prefill]
-        self.prefilled = True
         final = delta.finish_reason is not None
         if delta.finish_reason is not None:
             self.finish = delta.finish_reason
@@ -605,9 +616,9 @@ class _ChoiceStream:
             end = len(_trim_stop(self.text, delta.finish_reason, self.call.call_end))
         else:
             end = max(self.sent, len(self.text) - self.hold)
-        pieces.append(self.text[self.sent : end])
+        piece = self.text[self.sent : end]
         self.sent = end
-        events = self._parse("".join(pieces), final=final)
+        events = self._parse(piece, final=final)
         logprobs = self.pipeline._logprobs(
             self.call, delta.token_ids, delta.logprobs, delta.top_logprobs
         )
@@ -707,6 +718,10 @@ def _response_message(choice: ChoiceResult) -> dict[str, Any]:
             for c in choice.tool_calls
         ]
     return message
+
+
+def _constraint_value(constraint: EngineConstraint | None, kind: str) -> str | None:
+    return constraint.value if constraint is not None and constraint.kind == kind else None
 
 
 def _unsupported(message: str, param: str) -> GatewayError:

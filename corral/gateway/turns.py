@@ -102,9 +102,13 @@ ToolChoice = Literal["auto", "none", "required"] | NamedTool
 
 @dataclass(frozen=True, slots=True)
 class JsonOutput:
-    """The reply must be JSON: any object (``schema`` None) or an instance of ``schema``."""
+    """The reply must be JSON: any object (``schema`` None) or an instance of ``schema``
+    (``strict``: OpenAI's strict mode, no undeclared properties). ``param`` names the
+    request field that asked, for errors."""
 
     schema: dict[str, Any] | None = None
+    strict: bool = False
+    param: str = "response_format"
 
 
 @dataclass(frozen=True, slots=True)

@@ -252,7 +252,7 @@ def _parse(data: dict[str, Any], ctx: RequestContext, *, count_only: bool) -> Tu
     choice, parallel = _tool_choice(req.tool_choice, tools)
     output = None
     if req.output_config is not None and req.output_config.format is not None:
-        output = JsonOutput(req.output_config.format.schema_)
+        output = JsonOutput(req.output_config.format.schema_, param="output_config.format")
     thinking = None if req.thinking is None else req.thinking.type != "disabled"
     messages = tuple(_conversation(req))
     failed = _failed_tool_uses(req)

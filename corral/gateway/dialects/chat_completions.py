@@ -100,7 +100,14 @@ class ChatCompletions:
         output = None
         if req.response_format is not None and req.response_format.type != "text":
             schema = req.response_format.json_schema
-            output = JsonOutput(schema.schema_ if schema is not None else None)
+            output = (
+                JsonOutput(
+                    check_tool_schema(schema.schema_ or {}, "response_format.json_schema.schema"),
+                    strict=bool(schema.strict),
+                )
+                if schema is not None
+                else JsonOutput()
+            )
         thinking = None if req.reasoning_effort is None else req.reasoning_effort != "none"
         return TurnRequest(
             messages=tuple(m.to_turn() for m in req.messages),

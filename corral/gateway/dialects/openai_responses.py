@@ -588,12 +588,13 @@ def _json_output(text: TextParam | None) -> JsonOutput | None:
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
-        return JsonOutput(None)
+        return JsonOutput(param="text.format")
     if fmt.schema_ is None:
         raise bad_request(
             "text.format of type 'json_schema' needs 'schema'", param="text.format.schema"
         )
-    return JsonOutput(check_tool_schema(fmt.schema_, "text.format.schema"))
+    schema = check_tool_schema(fmt.schema_, "text.format.schema")
+    return JsonOutput(schema, strict=bool(fmt.strict), param="text.format")
 
 
 def _echo(
