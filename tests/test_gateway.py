@@ -416,7 +416,8 @@ def test_malformed_and_mistyped_bodies_are_clear_400s(stack: Stack) -> None:
         json.dumps({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"99999": 5}}),
     )
     assert r.status_code == 400
-    assert r.json()["error"]["param"] == "logit_bias" and "vocabulary" in r.json()["error"]["message"]
+    error = r.json()["error"]
+    assert error["param"] == "logit_bias" and "vocabulary" in error["message"]
     r = _post_chat(
         s, json.dumps({"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 2.5})
     )
