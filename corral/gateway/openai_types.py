@@ -27,6 +27,7 @@ IGNORED_FIELDS = frozenset(
         "prompt_cache_key",
         "prompt_cache_retention",
         "safety_identifier",
+        "verbosity",
     }
 )
 
@@ -48,6 +49,13 @@ class TextPart(_Strict):
     text: str
 
 
+class RefusalPart(_Strict):
+    """An earlier refusal echoed back in history: no template renders it."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+
 class FunctionCall(_Strict):
     name: str
     arguments: str
@@ -61,7 +69,7 @@ class ToolCall(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | RefusalPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -71,6 +79,7 @@ class ChatMessage(_Strict):
     refusal: str | None = None
     annotations: list[Any] | None = None
     audio: None = None
+    function_call: None = None
 
     @model_validator(mode="after")
     def _check_role_fields(self) -> ChatMessage:
@@ -88,7 +97,7 @@ class ChatMessage(_Strict):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
 
     def to_turn(self) -> Message:
         """The message as the turn pipeline holds it (``developer`` is ``system``)."""
@@ -166,7 +175,7 @@ class ChatCompletionRequest(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=-INT64, lt=INT64)
+    seed: int | None = Field(default=None, ge=-INT64, le=INT64 - 1)
     n: int = Field(default=1, ge=1, le=64)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -191,9 +200,10 @@ class ChatCompletionRequest(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias_range(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        for key, bias in (v or {}).items():
-            if not key.isdigit():
-                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+        bad_keys = [key for key in v or {} if not key.isdigit()]
+        if bad_keys:  # every one named, not just the first
+            raise ValueError(f"logit_bias keys are token ids, got {bad_keys}")
+        for bias in (v or {}).values():
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values lie in [-100, 100], got {bias}")
         return v
@@ -230,8 +240,15 @@ class ChatCompletionRequest(BaseModel):
 
     def unknown_fields(self) -> tuple[list[str], list[str]]:
         """Extra fields the client sent: (OpenAI's, which the gateway cannot honour; unknown
-        to OpenAI). The ignored ones are in neither."""
-        extra = [k for k in (self.model_extra or {}) if k not in IGNORED_FIELDS]
+        to OpenAI). The ignored ones are in neither, nor are OpenAI's fields sent as null
+        (unset) or ``modalities: ["text"]`` (what a text model does anyway)."""
+        extra = [
+            k
+            for k, v in (self.model_extra or {}).items()
+            if k not in IGNORED_FIELDS
+            and v is not None
+            and not (k == "modalities" and v == ["text"])
+        ]
         known = openai_request_fields()
         return [k for k in extra if k in known], [k for k in extra if k not in known]
 

@@ -56,7 +56,7 @@ from corral.gateway.turns import (
 from corral.gateway.turns import Usage as TurnUsage
 
 # Message fields no template renders: dropped before the turn is recorded.
-_UNRENDERED = frozenset({"refusal", "annotations", "audio"})
+_UNRENDERED = frozenset({"refusal", "annotations", "audio", "function_call"})
 
 
 class ChatCompletions:
@@ -250,7 +250,10 @@ class _DeltaBuilder:
 
 
 def _recorded(m: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in m.items() if k not in _UNRENDERED}
+    out = {k: v for k, v in m.items() if k not in _UNRENDERED}
+    if isinstance(out.get("content"), list):
+        out["content"] = [p for p in out["content"] if p.get("type") != "refusal"]
+    return out
 
 
 def _opening() -> Delta:
