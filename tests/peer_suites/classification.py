@@ -54,6 +54,11 @@ CAUSES: dict[str, tuple[str, str]] = {
     "M2-content": ("model", "content assertions (arithmetic, distinct samples of a peaked model)"),
     "M3-token-counts": ("model", "prompt_tokens expected for the peer's model and tokenizer"),
     # -- peer-specific -------------------------------------------------------------------------
+    "X18-not-json-schema": (
+        "peer",
+        "the test's tool says \"type\": \"int\", which is not JSON Schema: OpenAI answers 400, "
+        "as corral does; SGLang accepts it",
+    ),
     "X1-vllm-structured-outputs": ("peer", "vLLM's structured_outputs extra_body"),
     "X2-vllm-prompt-logprobs": ("peer", "vLLM's prompt_logprobs request field and response field"),
     "X3-vllm-echo-continue": (
@@ -107,6 +112,7 @@ RULES: list[tuple[str, str, str, str]] = [
     ),
     (V, r"::test_response_format_json_(object|schema)\b", r"AssertionError", "M4-json-content"),
     (V, r"::test_chat_logit_bias_", r"logit_bias", "P3-logit-bias"),
+    (S, r"::test_function_calling_format\b", r"not a valid JSON Schema", "X18-not-json-schema"),
     (V, r"::test_long_seed\b", r"502|engine", "P6-seed-range"),
     (V, r"::test_structured_outputs_", "", "X1-vllm-structured-outputs"),
     (V, r"::test_(more_than_one_)?prompt_logprobs", "", "X2-vllm-prompt-logprobs"),

@@ -21,8 +21,9 @@ def check_tool_schema(schema: Any, param: str) -> dict[str, Any]:
         raise bad_request(f"'{param}' must be a JSON Schema object", param=param)
     problem = _schema_problem(json.dumps(schema, sort_keys=True))
     if problem is not None:
+        leaf = param.rsplit(".", 1)[-1]
         raise bad_request(
-            f"'{param}' is not a valid JSON Schema: {problem}",
+            f"invalid '{leaf}' schema at '{param}': it is not a valid JSON Schema: {problem}",
             param=param,
             code="invalid_schema",
         )
