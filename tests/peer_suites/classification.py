@@ -56,7 +56,7 @@ CAUSES: dict[str, tuple[str, str]] = {
     # -- peer-specific -------------------------------------------------------------------------
     "X18-not-json-schema": (
         "peer",
-        "the test's tool says \"type\": \"int\", which is not JSON Schema: OpenAI answers 400, "
+        'the test\'s tool says "type": "int", which is not JSON Schema: OpenAI answers 400, '
         "as corral does; SGLang accepts it",
     ),
     "X1-vllm-structured-outputs": ("peer", "vLLM's structured_outputs extra_body"),
