@@ -6,6 +6,7 @@ engine and what the engine answered, so samples can be checked token for token. 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
@@ -23,6 +24,7 @@ from corral.gateway.app import build_gateway_app
 from corral.gateway.pipeline import TurnPipeline
 from corral.gateway.server import model_context_length
 from corral.gateway.settings import GatewaySettings
+from tests.scripted_engine import ScriptedEngine
 from tests.servers import serve
 
 ADMIN = "admin-secret"
@@ -133,3 +135,45 @@ def gateway_stack(
     service = TurnPipeline(settings, engine, tokenizer)
     with serve(build_gateway_app(settings, engine, service)) as url:
         yield Stack(url=url, engine=engine, engine_url=engine_url, tokenizer=tokenizer)
+
+
+@dataclass
+class ScriptedStack(Admin):
+    """A gateway in front of the scripted test engine (tests/scripted_engine.py)."""
+
+    url: str
+    engine: ScriptedEngine
+    tokenizer: Any
+
+    def ids(self, text: str) -> list[int]:
+        """``text`` as the model would have sampled it, then ``<|im_end|>``."""
+        ids = list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        assert self.tokenizer.decode(ids) == text
+        return [*ids, self.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+
+    def tool_call(self, name: str, arguments: dict[str, Any]) -> list[int]:
+        """One Qwen 2.5 tool call, formatted exactly as the template renders it back."""
+        body = json.dumps({"name": name, "arguments": arguments})
+        return self.ids(f"<tool_call>\n{body}\n</tool_call>")
+
+
+@contextmanager
+def scripted_gateway(
+    tiny_model_dir: Path, *, model_name: str = "tiny", context: int = 262_144
+) -> Iterator[ScriptedStack]:
+    tokenizer: Any = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+    def decode(ids: list[int]) -> str:
+        return str(tokenizer.decode(ids, skip_special_tokens=False))
+
+    engine = ScriptedEngine(
+        eos_token_ids=[int(tokenizer.convert_tokens_to_ids("<|im_end|>"))], decode=decode
+    )
+    settings = GatewaySettings(
+        model_name=model_name, max_context_tokens=context, admin_token=ADMIN, engine_timeout_s=60
+    )
+    with serve(engine.app) as engine_url:
+        client = SGLangClient(engine_url, timeout=60, retries=0)
+        pipeline = TurnPipeline(settings, client, tokenizer)
+        with serve(build_gateway_app(settings, client, pipeline)) as url:
+            yield ScriptedStack(url=url, engine=engine, tokenizer=tokenizer)

@@ -34,15 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from transformers import AutoTokenizer
 
-from corral.engines.sglang import SGLangClient
-from corral.gateway.app import build_gateway_app
-from corral.gateway.pipeline import TurnPipeline
-from corral.gateway.settings import GatewaySettings
-from tests.gateway_stack import ADMIN, Admin
-from tests.scripted_engine import ScriptedEngine
-from tests.servers import serve
+from tests.gateway_stack import ScriptedStack, scripted_gateway
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIS_DIR = Path(os.environ.get("CORRAL_AGENT_CLIS", "/var/cache/corral-agent-clis"))
@@ -212,46 +205,8 @@ def _run(argv: list[str], cwd: Path, timeout: float = CLI_TIMEOUT_S) -> Run:
 # -- the gateway in front of the scripted engine ----------------------------------------------
 
 
-@dataclass
-class Stack(Admin):
-    url: str
-    engine: ScriptedEngine
-    tokenizer: Any
-
-    def ids(self, text: str) -> list[int]:
-        """``text`` as the model would have sampled it, then ``<|im_end|>``."""
-        ids = list(self.tokenizer(text, add_special_tokens=False).input_ids)
-        assert self.tokenizer.decode(ids) == text
-        return [*ids, self.tokenizer.convert_tokens_to_ids("<|im_end|>")]
-
-    def tool_call(self, name: str, arguments: dict[str, Any]) -> list[int]:
-        """One Qwen 2.5 tool call, formatted exactly as the template renders it back."""
-        body = json.dumps({"name": name, "arguments": arguments})
-        return self.ids(f"<tool_call>\n{body}\n</tool_call>")
-
-
 @contextmanager
-def gateway(tiny_model_dir: Path) -> Iterator[Stack]:
-    tokenizer: Any = AutoTokenizer.from_pretrained(str(tiny_model_dir))
-
-    def decode(ids: list[int]) -> str:
-        return str(tokenizer.decode(ids, skip_special_tokens=False))
-
-    engine = ScriptedEngine(
-        eos_token_ids=[int(tokenizer.convert_tokens_to_ids("<|im_end|>"))], decode=decode
-    )
-    settings = GatewaySettings(
-        model_name=MODEL, max_context_tokens=CONTEXT, admin_token=ADMIN, engine_timeout_s=60
-    )
-    with serve(engine.app) as engine_url:
-        client = SGLangClient(engine_url, timeout=60, retries=0)
-        pipeline = TurnPipeline(settings, client, tokenizer)
-        with serve(build_gateway_app(settings, client, pipeline)) as url:
-            yield Stack(url=url, engine=engine, tokenizer=tokenizer)
-
-
-@contextmanager
-def explained(stack: Stack, session: dict[str, Any], run: Run) -> Iterator[None]:
+def explained(stack: ScriptedStack, session: dict[str, Any], run: Run) -> Iterator[None]:
     """On a failed assertion: print the CLI's run, what the engine got, the session's view."""
     try:
         yield
@@ -277,7 +232,9 @@ def explained(stack: Stack, session: dict[str, Any], run: Run) -> Iterator[None]
         raise
 
 
-def _check_one_exact_sample(stack: Stack, session: dict[str, Any], tool_output: str) -> None:
+def _check_one_exact_sample(
+    stack: ScriptedStack, session: dict[str, Any], tool_output: str
+) -> None:
     """The session holds one sample: the engine's last input + output, mask 1 exactly on the
     engine's tokens, its logprobs; the tool's output text lies between the answers, mask 0."""
     calls = stack.engine.requests
@@ -319,7 +276,7 @@ def _check_one_exact_sample(stack: Stack, session: dict[str, Any], tool_output: 
 def test_claude_code_runs_a_tool_and_yields_one_exact_sample(
     claude: Path, agent: Agent, tiny_model_dir: Path
 ) -> None:
-    with gateway(tiny_model_dir) as stack:
+    with scripted_gateway(tiny_model_dir, model_name=MODEL, context=CONTEXT) as stack:
         session = stack.session()
         stack.engine.push(
             stack.tool_call("Bash", {"command": "echo hi > out.txt"}), stack.ids(FINAL_TEXT)
@@ -391,7 +348,7 @@ stream_max_retries = 0
 def test_codex_runs_a_tool_and_yields_one_exact_sample(
     codex: Path, agent: Agent, tiny_model_dir: Path
 ) -> None:
-    with gateway(tiny_model_dir) as stack:
+    with scripted_gateway(tiny_model_dir, model_name=MODEL, context=CONTEXT) as stack:
         session = stack.session()
         stack.engine.push(
             stack.tool_call("exec_command", {"cmd": "echo hi > out.txt"}), stack.ids(FINAL_TEXT)

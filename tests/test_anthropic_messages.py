@@ -794,3 +794,33 @@ def test_claude_codes_requests_render_and_count(tiny_model_dir: Path) -> None:
             assert r.status_code == 200, r.text
             counts.append(r.json()["input_tokens"])
         assert 4096 < counts[0] < counts[1]
+
+
+def test_a_streamed_retry_replays_the_blocks_in_the_order_they_went_out(
+    tiny_model_dir: Path,
+) -> None:
+    """Text between two calls comes as its own block between the tool_use blocks; the replay of
+    a retry must give the same blocks in the same order (the scripted engine plays the text)."""
+    from tests.gateway_stack import scripted_gateway
+
+    with scripted_gateway(tiny_model_dir) as stack:
+        call = json.dumps({"name": "get_weather", "arguments": {"city": "Oslo"}})
+        text = f"<tool_call>\n{call}\n</tool_call>\nand then\n<tool_call>\n{call}\n</tool_call>"
+        stack.engine.push(stack.ids(text))
+        s = stack.session()
+        client = anthropic.Anthropic(
+            base_url=s["anthropic_base_url"], api_key=s["api_key"], max_retries=0
+        )
+        kwargs: dict[str, Any] = {
+            "model": "tiny",
+            "max_tokens": 100,
+            "messages": [{"role": "user", "content": "What is the weather in Oslo?"}],
+            "tools": TOOLS_A,
+        }
+        with client.messages.stream(**kwargs) as stream:
+            first = stream.get_final_message()
+        assert [b.type for b in first.content] == ["tool_use", "text", "tool_use"]
+        with client.messages.stream(**kwargs, extra_headers={"x-stainless-retry-count": "1"}) as s2:
+            again = s2.get_final_message()
+        assert again.model_dump() == first.model_dump()
+        assert len(stack.engine.requests) == 1  # replayed, not generated again

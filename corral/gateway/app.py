@@ -47,7 +47,14 @@ from corral.gateway.sessions import (
 )
 from corral.gateway.settings import GatewaySettings
 from corral.gateway.sse import EventStream
-from corral.gateway.turns import TurnEvent, TurnRequest, TurnResult, result_events
+from corral.gateway.turns import (
+    StreamedAnswer,
+    TurnEvent,
+    TurnRequest,
+    TurnResult,
+    compact_events,
+    result_events,
+)
 
 log = logging.getLogger(__name__)
 
@@ -255,7 +262,7 @@ def build_gateway_app(
         replay_key = dialect.name + ":" + hashlib.sha256(raw).hexdigest()
         if _is_retry(request):
             remembered = session.recall(replay_key)
-            if isinstance(remembered, TurnResult):
+            if isinstance(remembered, TurnResult | StreamedAnswer):
                 metrics.outcomes.labels("replayed").inc()
                 return answer_with(dialect, turn_request, ctx, remembered)
         call = await pipeline.prepare_async(session, turn_request)
@@ -266,9 +273,15 @@ def build_gateway_app(
         except StoreFull as exc:
             raise GatewayError("rate_limit", str(exc), code="store_full") from None
 
-        async def commit(answer: Answer) -> None:  # async: no thread hop per request
+        async def commit(
+            answer: Answer, streamed: list[TurnEvent] | None = None
+        ) -> None:  # async: no thread hop per request
             try:
                 pipeline.commit(session, answer, replay_key)
+                if streamed is not None:
+                    session.remember(
+                        replay_key, StreamedAnswer(answer.result, tuple(compact_events(streamed)))
+                    )
                 metrics.outcomes.labels("recorded").inc()
                 metrics.turn(dialect.name, answer.result.usage)
             except SessionClosed:
@@ -292,16 +305,19 @@ def build_gateway_app(
             async def batches() -> AsyncIterator[Sequence[TurnEvent]]:
                 # aclosing: if the client goes, the pipeline's stream must run its cleanup
                 # (engine abort) now, not whenever the garbage collector gets to it.
+                sent: list[TurnEvent] = []
                 async with contextlib.aclosing(stream):
                     for batch in head:
+                        sent.extend(batch)
                         if answers:
-                            await commit(answers.pop())
+                            await commit(answers.pop(), sent)
                         yield batch
                     async for batch in stream:
+                        sent.extend(batch)
                         if answers:
                             # Recorded before the closing frames go out: a client that retries
                             # the moment it has them must find the answer to replay.
-                            await commit(answers.pop())
+                            await commit(answers.pop(), sent)
                         yield batch
 
             async def events() -> AsyncIterator[str]:
@@ -324,16 +340,24 @@ def build_gateway_app(
         return Response(body, media_type="application/json")
 
     def answer_with(
-        dialect: Dialect, turn_request: TurnRequest, ctx: RequestContext, result: TurnResult
+        dialect: Dialect,
+        turn_request: TurnRequest,
+        ctx: RequestContext,
+        remembered: TurnResult | StreamedAnswer,
     ) -> Response:
-        """A remembered result, answered again as the request asks (plain or streamed)."""
+        """A remembered answer, answered again as the request asks (plain or streamed; a
+        streamed one in the order it first went out)."""
+        result = remembered.result if isinstance(remembered, StreamedAnswer) else remembered
         if not turn_request.stream:
             return Response(
                 dialect.render(result, turn_request, ctx), media_type="application/json"
             )
+        events = (
+            remembered.events if isinstance(remembered, StreamedAnswer) else result_events(result)
+        )
 
         async def batches() -> AsyncIterator[Sequence[TurnEvent]]:
-            for event in result_events(result):
+            for event in events:
                 yield [event]
 
         return EventStream(dialect.frame(batches(), turn_request, ctx))

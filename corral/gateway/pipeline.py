@@ -509,6 +509,8 @@ class TurnPipeline:
                     prompt_tokens=len(call.prompt_ids),
                 )
             ]
+            unfinished = n
+            last: list[TurnEvent] = []
             while finished < n:
                 i, item = await queue.get()
                 if item is None:
@@ -524,12 +526,19 @@ class TurnPipeline:
                 if isinstance(item, BaseException):
                     raise item
                 events = states[i].push(item)
+                if any(isinstance(e, ChoiceFinished) for e in events):
+                    unfinished -= 1
+                    if unfinished == 0:
+                        # The last choice's end goes out with TurnFinished, after the answer
+                        # is ready to record: no dialect may close its stream before that.
+                        last = events
+                        continue
                 if events:
                     yield events
             outputs = [s.close() for s in states]
             done = self._answer(call, outputs)
             answer.append(done)
-            yield [TurnFinished(done.result)]
+            yield [*last, TurnFinished(done.result)]
         finally:
             for task in tasks:
                 task.cancel()

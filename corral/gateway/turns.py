@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -328,3 +329,48 @@ def result_events(result: TurnResult) -> list[TurnEvent]:
         events.append(ChoiceFinished(c.index, c.finish))
     events.append(TurnFinished(result))
     return events
+
+
+@dataclass(frozen=True, slots=True)
+class StreamedAnswer:
+    """A streamed turn as it went out, for replaying a retry in the same order: some dialects'
+    answers depend on it (Anthropic's content blocks follow the model's text and calls as they
+    came)."""
+
+    result: TurnResult
+    events: tuple[TurnEvent, ...]
+
+
+def compact_events(events: Sequence[TurnEvent]) -> list[TurnEvent]:
+    """``events`` with each run of deltas of one kind (same choice, same call) merged into one:
+    the same stream, fewer and larger frames (what a replay keeps)."""
+    out: list[TurnEvent] = []
+    for event in events:
+        last = out[-1] if out else None
+        if (
+            isinstance(event, TextDelta)
+            and isinstance(last, TextDelta)
+            and last.choice == event.choice
+        ):
+            out[-1] = TextDelta(event.choice, last.text + event.text)
+        elif (
+            isinstance(event, ThinkingDelta)
+            and isinstance(last, ThinkingDelta)
+            and last.choice == event.choice
+        ):
+            out[-1] = ThinkingDelta(event.choice, last.text + event.text)
+        elif (
+            isinstance(event, ToolCallArguments)
+            and isinstance(last, ToolCallArguments)
+            and (last.choice, last.call) == (event.choice, event.call)
+        ):
+            out[-1] = ToolCallArguments(event.choice, event.call, last.text + event.text)
+        elif (
+            isinstance(event, LogprobsDelta)
+            and isinstance(last, LogprobsDelta)
+            and last.choice == event.choice
+        ):
+            out[-1] = LogprobsDelta(event.choice, last.tokens + event.tokens)
+        else:
+            out.append(event)
+    return out

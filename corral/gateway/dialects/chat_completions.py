@@ -172,6 +172,7 @@ class ChatCompletions:
             async for batch in batches:
                 deltas: dict[int, _DeltaBuilder] = {}
                 finishes: list[ChoiceFinished] = []
+                done: TurnFinished | None = None
                 for event in batch:
                     if isinstance(event, TurnStarted):
                         head = {
@@ -184,16 +185,10 @@ class ChatCompletions:
                     elif isinstance(event, ChoiceFinished):
                         finishes.append(event)
                     elif isinstance(event, TurnFinished):
-                        for builder in deltas.values():
-                            yield _chunk(head, [builder.build()])
-                        deltas = {}
-                        if include_usage:
-                            chunk = ChatCompletionChunk(**head, choices=[])
-                            chunk.usage = _usage(event.result.usage)
-                            yield sse(chunk.model_dump_json(exclude_none=True))
-                        yield "data: [DONE]\n\n"
+                        done = event
                     else:
                         deltas.setdefault(event.choice, _DeltaBuilder(event.choice)).add(event)
+                # A batch's deltas, then its choices' ends, then (last batch) usage and [DONE].
                 for builder in deltas.values():
                     yield _chunk(head, [builder.build()])
                 for f in finishes:
@@ -201,6 +196,12 @@ class ChatCompletions:
                         index=f.choice, delta=Delta(), finish_reason=f.finish.reason
                     )
                     yield _chunk(head, [finish])
+                if done is not None:
+                    if include_usage:
+                        chunk = ChatCompletionChunk(**head, choices=[])
+                        chunk.usage = _usage(done.result.usage)
+                        yield sse(chunk.model_dump_json(exclude_none=True))
+                    yield "data: [DONE]\n\n"
         except GatewayError as exc:
             # Headers are out already: report the error in the stream, as OpenAI does.
             yield sse(exc.openai_body())
