@@ -207,19 +207,6 @@ class _OCMatcher:
         return True
 
 
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-to-unicode table, inverted (byte-level BPE's vocabulary alphabet)."""
-    bs = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    cs = list(bs)
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
-
-
 class OutlinesCore:
     name = "outlines-core"
 
@@ -228,7 +215,9 @@ class OutlinesCore:
 
         self.oc = outlines_core
         self.eos = int(tokenizer.eos_token_id)
-        table = _byte_decoder()
+        from corral.engines.local.grammar import byte_decoder
+
+        table = byte_decoder()
         added = {t.content: i for i, t in tokenizer.added_tokens_decoder.items()}
         special = set(tokenizer.all_special_ids)
         words: dict[bytes, list[int]] = {}

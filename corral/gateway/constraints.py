@@ -52,7 +52,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from corral.gateway.parsers.tool_calls import ToolSpec
+from corral.gateway.parsers.tool_calls import ToolSpec, schema_types
 
 __all__ = [
     "EngineConstraint",
@@ -528,7 +528,7 @@ def _coder_param(
         schema = {}
     if not isinstance(schema, Mapping):
         raise UnsupportedConstraint(f"{where}: schema {schema!r} cannot be guaranteed")
-    types = _types(schema)
+    types = schema_types(schema)
     if not types or "string" in types:
         # The parser keeps such a value as text: only a schema every text satisfies, or a list
         # of texts, can be guaranteed.
@@ -551,22 +551,6 @@ def _coder_param(
         inline["$defs"] = {**inline.get("$defs", {}), _FREE: _free_json(_pattern_without(markers))}
     inline["x-guidance"] = _LAYOUT
     return False, f"{open_tag} %json {json.dumps(inline, ensure_ascii=False)} {close_tag}"
-
-
-def _types(schema: Mapping[str, Any]) -> list[str]:
-    """The JSON types the qwen3_coder parser reads off a schema (``type``, ``anyOf``,
-    ``oneOf``), as it does."""
-    declared = schema.get("type")
-    if isinstance(declared, str):
-        return [declared]
-    if isinstance(declared, list):
-        return [t for t in declared if isinstance(t, str)]
-    found: list[str] = []
-    for key in ("anyOf", "oneOf"):
-        for sub in schema.get(key) or []:
-            if isinstance(sub, Mapping):
-                found += _types(sub)
-    return found
 
 
 def _constraining(schema: Mapping[str, Any]) -> set[str]:
@@ -592,7 +576,7 @@ def _any_text(schema: Mapping[str, Any]) -> bool:
     if keys in ({"anyOf"}, {"oneOf"}):
         branches = schema.get("anyOf") or schema.get("oneOf") or []
         return any(
-            isinstance(b, Mapping) and _types(b) == ["string"] and not _constraining(b)
+            isinstance(b, Mapping) and schema_types(b) == ["string"] and not _constraining(b)
             for b in branches
         )
     return False

@@ -61,7 +61,14 @@ from typing import Any, Literal
 
 import numpy as np
 
-__all__ = ["ConstraintError", "ConstraintKind", "Grammars", "Matcher", "constraint_of"]
+__all__ = [
+    "ConstraintError",
+    "ConstraintKind",
+    "Grammars",
+    "Matcher",
+    "byte_decoder",
+    "constraint_of",
+]
 
 ConstraintKind = Literal["json_schema", "regex", "ebnf"]
 
@@ -104,7 +111,7 @@ class Matcher:
         return str(self._ll.get_error()) if self._ll.is_error() else ""
 
 
-def _byte_decoder() -> dict[str, int]:
+def byte_decoder() -> dict[str, int]:
     """Byte-level BPE's alphabet (GPT-2's bytes-to-unicode table), inverted."""
     printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
     codes = list(printable)
@@ -136,7 +143,7 @@ class _TokenSource:
         text = {int(a["id"]): str(a["content"]).encode() for a in added if not a.get("special")}
         tokens = [b""] * vocab_size  # ids the tokenizer does not have are never allowed
         if _is_byte_level(spec):
-            table = _byte_decoder()
+            table = byte_decoder()
             for piece, i in spec["model"]["vocab"].items():
                 if 0 <= i < vocab_size:
                     tokens[i] = bytes(table[c] for c in piece)

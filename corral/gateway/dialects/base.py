@@ -78,6 +78,25 @@ def validation_error(exc: ValidationError, *, prefix: str = "") -> GatewayError:
     return bad_request(message, param=where, code=code)
 
 
+def refuse_extra_fields(cannot: Sequence[str], unknown: Sequence[str], *, api: str) -> None:
+    """A 400 for the fields a request sent beyond those its dialect handles: first those
+    ``api`` does not define (all named), then the ones it defines that the gateway cannot
+    honour."""
+    if unknown:
+        named = ", ".join(f"'{k}'" for k in unknown)
+        raise bad_request(
+            f"unknown field(s) {named}: not part of {api}",
+            param=unknown[0],
+            code="unsupported_field",
+        )
+    if cannot:
+        raise bad_request(
+            f"unsupported field '{cannot[0]}': the gateway cannot honour it",
+            param=cannot[0],
+            code="unsupported_field",
+        )
+
+
 def sse(data: Any, event: str | None = None) -> str:
     """One server-sent event; ``data`` is JSON-encoded unless it is already text."""
     payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))

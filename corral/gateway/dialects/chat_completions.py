@@ -13,7 +13,13 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from corral.gateway.dialects.base import EventBatches, RequestContext, sse, validate
+from corral.gateway.dialects.base import (
+    EventBatches,
+    RequestContext,
+    refuse_extra_fields,
+    sse,
+    validate,
+)
 from corral.gateway.dialects.schemas import check_tool_schema
 from corral.gateway.errors import GatewayError, bad_request
 from corral.gateway.openai_types import (
@@ -69,19 +75,7 @@ class ChatCompletions:
         problem = req.combination_problem()
         if problem is not None:
             raise bad_request(problem[1], param=problem[0], code="invalid_field")
-        cannot, unknown = req.unknown_fields()
-        if unknown:
-            raise bad_request(
-                f"unknown field '{unknown[0]}': not part of OpenAI's chat completions API",
-                param=unknown[0],
-                code="unsupported_field",
-            )
-        if cannot:
-            raise bad_request(
-                f"unsupported field '{cannot[0]}': the gateway cannot honour it",
-                param=cannot[0],
-                code="unsupported_field",
-            )
+        refuse_extra_fields(*req.unknown_fields(), api="OpenAI's chat completions API")
         tools = tuple(
             Tool(
                 name=t.function.name,

@@ -60,7 +60,13 @@ from collections.abc import AsyncGenerator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from corral.gateway.dialects.base import EventBatches, RequestContext, sse, validate
+from corral.gateway.dialects.base import (
+    EventBatches,
+    RequestContext,
+    refuse_extra_fields,
+    sse,
+    validate,
+)
 from corral.gateway.dialects.responses_types import (
     MEDIA_PARTS,
     REFUSED_FIELDS,
@@ -166,20 +172,7 @@ class OpenAIResponses:
 
     def parse(self, data: dict[str, Any], ctx: RequestContext) -> TurnRequest:
         req = validate(ResponsesRequest, data)
-        cannot, unknown = req.unknown_fields()
-        if unknown:
-            named = ", ".join(f"'{k}'" for k in unknown)
-            raise bad_request(
-                f"unknown field(s) {named}: not part of OpenAI's Responses API",
-                param=unknown[0],
-                code="unsupported_field",
-            )
-        if cannot:
-            raise bad_request(
-                f"unsupported field '{cannot[0]}': the gateway cannot honour it",
-                param=cannot[0],
-                code="unsupported_field",
-            )
+        refuse_extra_fields(*req.unknown_fields(), api="OpenAI's Responses API")
         _refuse(req)
         toolset = _tools(req.tools)
         choice, offered = _tool_choice(req.tool_choice, toolset)

@@ -48,6 +48,7 @@ __all__ = [
     "ToolCallStreamer",
     "ToolSpec",
     "get_tool_call_parser",
+    "schema_types",
     "tool_call_parser_names",
 ]
 
@@ -515,7 +516,7 @@ _PARAM_CLOSE = "</parameter>"
 _NO_VALUE = object()
 
 
-def _schema_types(schema: Any) -> list[str]:
+def schema_types(schema: Any) -> list[str]:
     """The JSON types a parameter schema allows (``type``, a type list, ``anyOf``/``oneOf``)."""
     if not isinstance(schema, dict):
         return []
@@ -527,7 +528,7 @@ def _schema_types(schema: Any) -> list[str]:
     found: list[str] = []
     for key in ("anyOf", "oneOf"):
         for sub in schema.get(key) or []:
-            found.extend(_schema_types(sub))
+            found.extend(schema_types(sub))
     return found
 
 
@@ -562,7 +563,7 @@ def _convert_param(text: str, schema: Any) -> Any:
     A value that does not fit its declared type stays a string: the tool, not the parser, is the
     one to reject it, so the model gets a tool error it can learn from.
     """
-    types = _schema_types(schema)
+    types = schema_types(schema)
     if "null" in types and text.strip() == "null":
         return None
     if not types or "string" in types:
