@@ -148,7 +148,7 @@ class TurnPipeline:
 
     async def prepare_async(self, session: Session, request: TurnRequest) -> PreparedTurn:
         """:meth:`prepare`, in a worker thread when the request is large."""
-        if request.characters() > OFFLOAD_CHARACTERS:
+        if request.characters > OFFLOAD_CHARACTERS:
             return await asyncio.to_thread(self.prepare, session, request)
         return self.prepare(session, request)
 
@@ -185,7 +185,7 @@ class TurnPipeline:
         after rendering when the prompt leaves no room for an output token.
         """
         limit = self.context_limit(session)
-        characters = request.characters()
+        characters = request.characters
         if characters > limit * self._max_token_chars:
             raise bad_request(
                 f"the request holds {characters} characters of text: more than this "

@@ -155,11 +155,14 @@ class TurnRequest:
     stream: bool = False
     label: str | None = None
     wire: Any = None
+    # Characters of text the prompt will hold, before the template's own (a bound on the work
+    # of rendering it); computed once, the pipeline reads it more than once a turn.
+    characters: int = field(init=False, repr=False, compare=False)
 
-    def characters(self) -> int:
-        """Characters of text the prompt will hold, before the template's own."""
+    def __post_init__(self) -> None:
         n = sum(m.characters() for m in self.messages)
-        return n + sum(len(json.dumps(t.parameters)) + len(t.description or "") for t in self.tools)
+        n += sum(len(json.dumps(t.parameters)) + len(t.description or "") for t in self.tools)
+        object.__setattr__(self, "characters", n)
 
 
 # ---- results ---------------------------------------------------------------------------------
