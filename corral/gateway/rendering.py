@@ -177,18 +177,20 @@ class PrefixEncoder:
             shared = _shared_prefix(prompt.text, text)
             if shared > best_shared:
                 best, best_shared = prompt, shared
-        start_char, start_token = 0, 0
+        # Reused: the held ids before ``start_token``, the text's first ``start_char``
+        # characters, holding the marker's first ``kept`` occurrences.
+        start_char = start_token = kept = 0
         if best is not None:
             # The last marker that starts inside the shared text and whose token is held.
             cut = text.rfind(self.marker, 0, best_shared - len(self.marker) + 1)
             if cut > 0:
                 occurrence = text.count(self.marker, 0, cut)
                 if occurrence < len(best.marker_at):
-                    start_char, start_token = cut, best.marker_at[occurrence]
+                    start_char, start_token, kept = cut, best.marker_at[occurrence], occurrence
         tail = self.renderer.encode(text[start_char:])
         ids = array("i", best.ids[:start_token]) if best is not None else array("i")
         ids.extend(tail)
-        marker_at = list(best.marker_at[: text.count(self.marker, 0, start_char)]) if best else []
+        marker_at = list(best.marker_at[:kept]) if best is not None else []
         marker_at.extend(start_token + i for i, t in enumerate(tail) if t == self.marker_id)
         prompt = HeldPrompt(text=text, ids=ids, marker_at=marker_at)
         # The prompt this one extends is superseded by it; any other stays (a side
