@@ -277,11 +277,14 @@ def build_gateway_app(
             answer: Answer, streamed: list[TurnEvent] | None = None
         ) -> None:  # async: no thread hop per request
             try:
-                pipeline.commit(session, answer, replay_key)
-                if streamed is not None:
-                    session.remember(
-                        replay_key, StreamedAnswer(answer.result, tuple(compact_events(streamed)))
-                    )
+                pipeline.commit(session, answer)
+                # What a retry of this request gets: a stream replays as it went out.
+                session.remember(
+                    replay_key,
+                    answer.result
+                    if streamed is None
+                    else StreamedAnswer(answer.result, tuple(compact_events(streamed))),
+                )
                 metrics.outcomes.labels("recorded").inc()
                 metrics.turn(dialect.name, answer.result.usage)
             except SessionClosed:
@@ -307,12 +310,7 @@ def build_gateway_app(
                 # (engine abort) now, not whenever the garbage collector gets to it.
                 sent: list[TurnEvent] = []
                 async with contextlib.aclosing(stream):
-                    for batch in head:
-                        sent.extend(batch)
-                        if answers:
-                            await commit(answers.pop(), sent)
-                        yield batch
-                    async for batch in stream:
+                    async for batch in _after(head, stream):
                         sent.extend(batch)
                         if answers:
                             # Recorded before the closing frames go out: a client that retries
@@ -561,6 +559,14 @@ async def _wait_disconnect(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+async def _after(head: Sequence[T], rest: AsyncIterator[T]) -> AsyncIterator[T]:
+    """``head``'s items, then ``rest``'s."""
+    for item in head:
+        yield item
+    async for item in rest:
+        yield item
 
 
 async def _first_batches(

@@ -573,13 +573,11 @@ class TurnPipeline:
             )
         return turns
 
-    def commit(self, session: Session, answer: Answer, replay_key: str | None) -> None:
+    def commit(self, session: Session, answer: Answer) -> None:
         """Record a delivered answer. Raises ``SessionClosed`` (nothing recorded) when the
         session was deleted meanwhile."""
         for turn in answer.turns:
             session.record(turn)
-        if replay_key is not None:
-            session.remember(replay_key, answer.result)
 
     async def _abort_all(self, rids: Sequence[str]) -> None:
         async def abort(rid: str) -> None:
