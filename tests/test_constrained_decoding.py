@@ -321,7 +321,10 @@ async def test_mixed_batch_leaves_unconstrained_rows_untouched(babbler: LocalEng
         )
         for s in SEEDS
     ]
-    together = await asyncio.gather(babbler.generate(plain), *map(babbler.generate, constrained))
+    # stream() enqueues at once (generate() compiles a grammar in a thread first, so the rows
+    # could reach the scheduler apart): all of them are waiting before its next step.
+    streams = [babbler.stream(r) for r in (plain, *constrained)]
+    together = [[c async for c in st][-1] for st in streams]
     assert babbler.steps - before <= 41  # one batch: the rows shared their steps
     assert together[0].output_ids == alone.output_ids
     mixed = together[0].meta_info
