@@ -2,7 +2,7 @@
 
 ``corral play ROWS --gateway URL --agent-cmd "..."`` (and :func:`play_with_agent` /
 :func:`play_rows_with_agent` underneath) replaces the player's turn loop with a process of the
-user's (README, "black-box agents over the gateway and MCP"): the agent talks to the model
+user's (docs/rollouts.md, "black-box agents over the gateway and MCP"): the agent talks to the model
 through its own gateway session and to the episode's tools through an MCP server
 (:mod:`.mcp_tools`); corral opens and closes everything around it, has the episode graded and
 the reward (or the failure) land on the session.
@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any
 
 from corral.adapters.evals import Stats
 from corral.adapters.gateway_admin import GatewayAdmin, GatewayAdminError, SessionHandle
-from corral.adapters.rows import Row, read_rows
+from corral.adapters.rows import Row, RowsError, read_rows
 from corral.env_secrets import SecretMissing, env_secret
 from corral.envs.client import EnvClient, EnvClientError
 from corral.gateway.samples import Sample
@@ -485,23 +485,42 @@ def _write_outputs(out: Path, rollouts: Sequence[AgentRollout], summary: Stats) 
 
 def cmd_play(args: argparse.Namespace) -> int:
     """``corral play``: exit 0 when at least one episode was scored, 1 when none was (every
-    episode failed or none was selected), 2 for a configuration error."""
+    episode failed or none was selected) or the gateway cannot be used, 2 for a configuration
+    error. Errors are the one line ``corral`` prints for a
+    :class:`~corral.cli.errors.CliError`, also when this is called without ``corral.cli.main``
+    (the exit code is returned either way)."""
+    from corral.cli.errors import CliError, error_line
+
+    try:
+        return _play(args)
+    except CliError as exc:
+        line, code = error_line("play", exc)
+        print(line, file=sys.stderr)
+        return code
+
+
+def _play(args: argparse.Namespace) -> int:
     from rich.progress import Progress
+
+    from corral.cli.checks import probe_gateway, rows_file
+    from corral.cli.errors import RunError, UsageError
 
     try:
         admin_token = env_secret(args.admin_token_var or None, "the gateway admin token")
     except SecretMissing as exc:
-        print(f"corral play: {exc}", file=sys.stderr)
-        return 2
-    rows = read_rows(Path(args.rows), split=args.split, limit=args.limit)
+        raise UsageError(str(exc), f"Export {args.admin_token_var}.") from None
+    try:
+        rows = read_rows(rows_file(args.rows), split=args.split, limit=args.limit)
+    except RowsError as exc:
+        raise UsageError(str(exc), "Pass a file written by `corral rows`.") from None
     if not rows:
-        print(f"corral play: no rows selected from {args.rows}", file=sys.stderr)
-        return 1
+        raise RunError(f"no rows selected from {args.rows}")
     hidden = [args.admin_token_var] if args.admin_token_var else []
 
     async def play_all(progress: Progress) -> list[AgentRollout]:
-        task = progress.add_task("playing", total=len(rows))
         async with GatewayAdmin(args.gateway, admin_token) as gateway:
+            await probe_gateway(gateway, args.admin_token_var or None)
+            task = progress.add_task("playing", total=len(rows))
             return await play_rows_with_agent(
                 rows,
                 gateway=gateway,
@@ -516,8 +535,7 @@ def cmd_play(args: argparse.Namespace) -> int:
         with Progress(transient=True) as progress:
             rollouts = asyncio.run(play_all(progress))
     except AgentConfigError as exc:
-        print(f"corral play: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(str(exc)) from None
     summary = summarize(rollouts)
     out = Path(args.out)
     _write_outputs(out, rollouts, summary)
@@ -561,11 +579,13 @@ def add_play_command(sub: argparse._SubParsersAction) -> None:
         metavar="NAME",
         help="environment variable holding the gateway's admin token (hidden from the agent)",
     )
-    play.add_argument("--split", help="play only the rows of this split")
+    play.add_argument("--split", help="play only the rows of this split (default: all)")
     play.add_argument("--limit", type=int, metavar="N", help="play the first N rows only")
     play.add_argument("--concurrency", type=int, default=4, help="episodes at once")
     play.add_argument(
         "--timeout", type=float, default=600.0, help="seconds the agent may run per episode"
     )
-    play.add_argument("--out", default=".corral/play", help="output folder")
+    play.add_argument(
+        "--out", default=".corral/play", help="where episodes, samples and summary go"
+    )
     play.set_defaults(func=cmd_play)

@@ -41,7 +41,7 @@ import random
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -52,6 +52,7 @@ __all__ = [
     "CITIES",
     "CONDITIONS",
     "TOOLS",
+    "BuildProgress",
     "BuildStats",
     "build_tiny_model",
     "cached_tiny_model",
@@ -140,6 +141,15 @@ class BuildStats:
 
 BUILD_STATS_FILE: Final = "corral_build.json"
 
+# How a build reports progress, for a caller's display (the library prints nothing): called
+# with (phase, done, total) as each phase starts and moves on: "tokenizer" (0 then 1 of 1),
+# "imprint" (steps done of all steps; absent with imprint=False), "save" (0 then 1 of 1).
+BuildProgress = Callable[[str, int, int], None]
+
+
+def _no_progress(phase: str, done: int, total: int) -> None:
+    """The default BuildProgress: report nowhere."""
+
 
 def read_build_stats(model_dir: Path) -> BuildStats:
     """The ``BuildStats`` a build wrote beside the model (``corral_build.json``)."""
@@ -152,8 +162,11 @@ def cached_tiny_model(
     seed: int = 0,
     imprint: bool = True,
     cache_dir: Path | None = None,
+    progress: BuildProgress | None = None,
 ) -> Path:
     """The tiny model from a cache folder, built there first if absent.
+
+    ``progress`` follows the build (see :data:`BuildProgress`); it is not called on a cache hit.
 
     The key covers the arguments and the source of this module and of the chat templates, so
     a change to either builds afresh. ``cache_dir`` defaults to ``~/.cache/corral/tiny``. The
@@ -177,7 +190,9 @@ def cached_tiny_model(
     root.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
     try:
-        build_tiny_model(scratch / "model", template=template, seed=seed, imprint=imprint)
+        build_tiny_model(
+            scratch / "model", template=template, seed=seed, imprint=imprint, progress=progress
+        )
         try:
             (scratch / "model").rename(target)
         except OSError:
@@ -194,13 +209,15 @@ def build_tiny_model(
     template: Literal["qwen25", "qwen3"] = "qwen25",
     seed: int = 0,
     imprint: bool = True,
+    progress: BuildProgress | None = None,
 ) -> Path:
     """Build the tiny chat model into folder ``out`` (created, files overwritten) and return it.
 
     Offline and in seconds on a CPU. ``template`` picks the chat template and, when imprinting,
     whether answers start with a ``<think>`` block (``qwen3``). ``seed`` fixes the tokenizer
     corpus, the initial weights and the imprinting data. ``imprint=False`` leaves the weights
-    random (a tokenizer-and-template-only model that babbles).
+    random (a tokenizer-and-template-only model that babbles). ``progress`` hears of each
+    phase and imprinting step (:data:`BuildProgress`).
     """
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
@@ -211,8 +228,11 @@ def build_tiny_model(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
+    report = progress or _no_progress
 
+    report("tokenizer", 0, 1)
     tokenizer = _build_tokenizer(template, rng)
+    report("tokenizer", 1, 1)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     config = Qwen2Config(
         vocab_size=len(tokenizer),
@@ -240,7 +260,7 @@ def build_tiny_model(
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            steps, loss, margin = _imprint(model, tokenizer, template, rng)
+            steps, loss, margin = _imprint(model, tokenizer, template, rng, progress)
         finally:
             torch.set_num_threads(threads)
     imprint_seconds = time.perf_counter() - imprint_started
@@ -250,6 +270,7 @@ def build_tiny_model(
         eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
         pad_token_id=ids["<|endoftext|>"],
     )
+    report("save", 0, 1)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     stats = BuildStats(
@@ -262,6 +283,7 @@ def build_tiny_model(
         parameters=sum(p.numel() for p in model.parameters()),
     )
     (out / BUILD_STATS_FILE).write_text(json.dumps(dataclasses.asdict(stats), indent=2))
+    report("save", 1, 1)
     return out
 
 
@@ -554,11 +576,16 @@ _SCHEDULE = _Schedule()
 
 
 def _imprint(
-    model: Any, tokenizer: Any, template: TemplateName, rng: random.Random
+    model: Any,
+    tokenizer: Any,
+    template: TemplateName,
+    rng: random.Random,
+    progress: BuildProgress | None = None,
 ) -> tuple[int, float, float]:
     """Train for a fixed number of steps (warmup, then cosine decay to zero, so the last steps
     settle every reply exactly); returns (steps, last loss, smallest margin on held-out replies,
-    negative when some held-out token is not the greedy choice)."""
+    negative when some held-out token is not the greedy choice). ``progress`` hears of every
+    step; without it a terminal gets a tqdm bar."""
     import math
 
     import torch
@@ -582,9 +609,11 @@ def _imprint(
     model.train()
     batches: list[list[_Example]] = []
     loss_value = float("nan")
-    with tqdm(
-        total=plan.steps, desc="imprint", disable=not sys.stderr.isatty(), leave=False
-    ) as bar:
+    report = progress or _no_progress
+    report("imprint", 0, plan.steps)
+    # A caller's display replaces the bar (two bars over each other would garble both).
+    quiet = progress is not None or not sys.stderr.isatty()
+    with tqdm(total=plan.steps, desc="imprint", disable=quiet, leave=False) as bar:
         for step in range(1, plan.steps + 1):
             if not batches:
                 batches = _batches(train, plan.batch_size, rng, plan.sort_batches)
@@ -599,6 +628,7 @@ def _imprint(
             loss_value = float(loss.detach())
             bar.update(1)
             bar.set_postfix(loss=f"{loss_value:.4f}")
+            report("imprint", step, plan.steps)
             if _DEBUG and step % 100 == 0:
                 accuracy, margin = _check(model, held_out, pad_id)
                 print(f"step {step} loss {loss_value:.4f} acc {accuracy:.4f} margin {margin:.2f}")

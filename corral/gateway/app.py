@@ -2,7 +2,7 @@
 in the turn pipeline (:mod:`corral.gateway.pipeline`), the dialects
 (:mod:`corral.gateway.dialects`) and the session store (:mod:`corral.gateway.sessions`).
 
-``build_gateway_app`` serves the session-management API (README, "Gateway API") and, per
+``build_gateway_app`` serves the session-management API (docs/gateway.md, "API") and, per
 session, three wire dialects over one pipeline: OpenAI Chat Completions, Anthropic Messages
 and OpenAI Responses. Errors are :class:`~corral.gateway.errors.GatewayError` s, answered once,
 here, in the shape of the dialect the request speaks.
@@ -16,7 +16,8 @@ import hashlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextvars import ContextVar
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict
@@ -64,6 +65,14 @@ T = TypeVar("T")
 RETRY_HEADER = "x-stainless-retry-count"
 REAP_INTERVAL_S = 30.0
 
+# The loggers of the layers under the HTTP layer that log a failure as it happens (the engine
+# client each retry, the pipeline each engine failure): while a request is served, what they
+# log below ERROR is folded into the request's one line (see _HoldForRequestLine).
+FOLDED_LOGGERS = ("corral.engines.sglang", "corral.gateway.pipeline")
+# The records held for the request being served (None outside one). A context variable: the
+# tasks a request starts (engine calls) inherit it, other requests and threads do not.
+_HELD: ContextVar[list[logging.LogRecord] | None] = ContextVar("gateway_held_records", default=None)
+
 
 class RewardBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -87,9 +96,15 @@ def build_gateway_app(
     pipeline: TurnPipeline,
     *,
     store: SessionStore | None = None,
+    startup_check: Callable[[], Awaitable[None]] | None = None,
 ) -> Starlette:
     """The gateway app. ``settings.admin_token`` None leaves session management open (local
-    use only); otherwise every management route needs it as a bearer token."""
+    use only); otherwise every management route needs it as a bearer token.
+
+    ``startup_check`` runs in the background once the app has started (it must not raise;
+    :func:`corral.gateway.server.check_engine` logs whether the engine answers), so that a
+    slow engine does not hold the gateway's start-up. The log: one line per failed request
+    (:func:`_log_failure`), nothing per successful one."""
     store = store or SessionStore(
         max_sessions=settings.max_sessions,
         max_held_tokens=settings.max_held_tokens,
@@ -102,10 +117,16 @@ def build_gateway_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         reaper = asyncio.create_task(_reap_forever(store))
+        checking: asyncio.Future[None] | None = None
+        if startup_check is not None:
+            checking = asyncio.ensure_future(startup_check())
         try:
-            yield
+            with _folding_into_request_lines():
+                yield
         finally:
             reaper.cancel()
+            if checking is not None:
+                checking.cancel()
             await engine.aclose()
 
     # Plain Starlette, not FastAPI: every handler parses its own body (to answer in its
@@ -120,10 +141,14 @@ def build_gateway_app(
         def register(handler: Callable[..., Awaitable[Response]]) -> None:
             async def endpoint(request: Request) -> Response:
                 start = time.perf_counter()
-                try:
-                    response = await handler(request, **request.path_params)
-                except GatewayError as exc:
-                    response = _error_response(exc, dialect, request)
+                with _request_log():
+                    try:
+                        response = await handler(request, **request.path_params)
+                    except GatewayError as exc:
+                        response = _error_response(exc, dialect, request)
+                    except Exception as exc:  # a bug: answered 500 in the dialect's shape
+                        response = _error_response(_unexpected(exc), dialect, request)
+                        log.debug("the traceback of the 500 above", exc_info=exc)
                 if not isinstance(response, EventStream):
                     metrics.request(
                         path, dialect_name, response.status_code, time.perf_counter() - start
@@ -490,6 +515,8 @@ def build_gateway_app(
 
 
 def _error_response(error: GatewayError, dialect: Dialect | None, request: Request) -> Response:
+    """The answer to ``error``, in the dialect's shape; logs the request's one line."""
+    _log_failure(error, request)
     if dialect is not None:
         body = dialect.error_body(error)
     elif speaks_anthropic(request.scope):
@@ -497,6 +524,86 @@ def _error_response(error: GatewayError, dialect: Dialect | None, request: Reque
     else:
         body = error.openai_body()
     return JSONResponse(body, status_code=error.status)
+
+
+def _log_failure(error: GatewayError, request: Request) -> None:
+    """One line for a failed request: method, path, status, kind, message (with the error's
+    log-only detail, e.g. the engine's own words) and request id. Levels: engine failures
+    (502/503/504) and a full store (429) WARNING, the gateway's own failures (500) ERROR,
+    other client errors (4xx) INFO."""
+    status = error.status
+    if status == 500:
+        level = logging.ERROR
+    elif status >= 500 or status == 429:
+        level = logging.WARNING
+    else:
+        level = logging.INFO
+    if not log.isEnabledFor(level):
+        return
+    said = error.message if error.detail is None else f"{error.message} ({error.detail})"
+    request_id = request.scope.get("state", {}).get("request_id", "-")
+    log.log(
+        level,
+        "%s %s %d %s: %s request_id=%s",
+        request.method,
+        request.url.path,
+        status,
+        error.kind,
+        said,
+        request_id,
+    )
+
+
+def _unexpected(exc: Exception) -> GatewayError:
+    """The 500 for an exception no layer mapped (a bug); the log line names it."""
+    return GatewayError(
+        "internal",
+        "the gateway failed to answer this request",
+        detail=f"{type(exc).__name__}: {exc}",
+    )
+
+
+class _HoldForRequestLine(logging.Filter):
+    """Holds back the records below ERROR logged while a request is served (they go into
+    :data:`_HELD`, and out again at DEBUG when the request ends): the request's line says
+    what failed, once. Records logged outside a request pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        held = _HELD.get()
+        if held is None or record.levelno >= logging.ERROR:
+            return True
+        held.append(record)
+        return False
+
+
+@contextlib.contextmanager
+def _folding_into_request_lines() -> Iterator[None]:
+    """While the app runs, hold the :data:`FOLDED_LOGGERS`' records about a request back
+    (removed again on exit, so an app that stopped leaves the loggers as they were)."""
+    hold = _HoldForRequestLine()
+    loggers = [logging.getLogger(name) for name in FOLDED_LOGGERS]
+    for logger in loggers:
+        logger.addFilter(hold)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(hold)
+
+
+@contextlib.contextmanager
+def _request_log() -> Iterator[None]:
+    """Serve one request with its records held (:class:`_HoldForRequestLine`); when it ends,
+    log them at DEBUG, after the request's own line."""
+    held: list[logging.LogRecord] = []
+    token = _HELD.set(held)
+    try:
+        yield
+    finally:
+        _HELD.reset(token)
+        if log.isEnabledFor(logging.DEBUG):
+            for record in held:
+                log.debug("%s: %s", record.name, record.getMessage())
 
 
 def _same_secret(given: str, expected: str) -> bool:

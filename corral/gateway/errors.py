@@ -54,7 +54,8 @@ _BY_STATUS = {row.status: kind for kind, row in ERROR_TABLE.items()}
 
 class GatewayError(Exception):
     """An error the client gets: a kind from :data:`ERROR_TABLE`, a message, and optionally the
-    request field it is about (``param``) and a machine-readable ``code``."""
+    request field it is about (``param``) and a machine-readable ``code``. ``detail`` goes to
+    the gateway's log line for the request, never into the answer."""
 
     def __init__(
         self,
@@ -63,12 +64,15 @@ class GatewayError(Exception):
         *,
         param: str | None = None,
         code: str | None = None,
+        detail: str | None = None,
     ) -> None:
         super().__init__(message)
         self.kind: ErrorKind = kind
         self.message = message
         self.param = param
         self.code = code
+        # For the gateway's log only, never the client's answer (it may name the engine).
+        self.detail = detail
 
     @property
     def status(self) -> int:
@@ -104,17 +108,21 @@ def engine_error(exc: EngineError) -> GatewayError:
     """The answer to an engine failure: 503 down, 504 slow, 502 garbage.
 
     The engine client's messages name the engine's URL; clients hold only a session key and
-    are not told where the engine lives (the gateway's log has the full message).
+    are not told where the engine lives: the full message is the error's ``detail``, for the
+    gateway's log line.
     """
+    detail = str(exc)
     if isinstance(exc, EngineUnavailable):
-        return GatewayError("engine_unavailable", "the engine is unavailable")
+        return GatewayError("engine_unavailable", "the engine is unavailable", detail=detail)
     if isinstance(exc, EngineTimeout):
-        return GatewayError("engine_timeout", "the engine did not answer in time")
+        return GatewayError("engine_timeout", "the engine did not answer in time", detail=detail)
     status = getattr(exc, "status_code", None)
     said = getattr(exc, "engine_message", None)
     if status == 400 and isinstance(said, str):
         # The engine refused what was asked (e.g. a grammar it cannot compile): the client's.
-        return GatewayError("invalid_request", f"the engine refused the request: {said}")
+        return GatewayError(
+            "invalid_request", f"the engine refused the request: {said}", detail=detail
+        )
     if isinstance(said, str) and said:
-        return GatewayError("engine_error", f"the engine failed: {said}")
-    return GatewayError("engine_error", "the engine failed to answer this request")
+        return GatewayError("engine_error", f"the engine failed: {said}", detail=detail)
+    return GatewayError("engine_error", "the engine failed to answer this request", detail=detail)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from starlette.applications import Starlette
 from transformers import AutoConfig, AutoTokenizer
 
@@ -13,6 +15,12 @@ from corral.engines.sglang import SGLangClient
 from corral.gateway.app import build_gateway_app
 from corral.gateway.pipeline import TurnPipeline
 from corral.gateway.settings import GatewaySettings
+
+log = logging.getLogger(__name__)
+
+# How long the start-up check waits for the engine's /health: SGLang's may run a one-token
+# generation and take up to 20 s (the engine client's health probe waits as long).
+HEALTH_CHECK_TIMEOUT_S = 30.0
 
 
 def model_context_length(model_path: str | Path) -> int:
@@ -47,4 +55,51 @@ def create_gateway(
     settings = replace(settings, **overrides)
     engine = SGLangClient(engine_url, timeout=settings.engine_timeout_s)
     pipeline = TurnPipeline(settings, engine, tokenizer)
-    return build_gateway_app(settings, engine, pipeline)
+
+    async def startup_check() -> None:
+        await check_engine(
+            engine_url, timeout_s=min(settings.engine_timeout_s, HEALTH_CHECK_TIMEOUT_S)
+        )
+
+    return build_gateway_app(settings, engine, pipeline, startup_check=startup_check)
+
+
+async def check_engine(engine_url: str, *, timeout_s: float = HEALTH_CHECK_TIMEOUT_S) -> None:
+    """Log whether the engine at ``engine_url`` answers its health check (``GET /health`` with
+    a 2xx, what the gateway's own ``/health`` asks): one INFO line when it does, one WARNING
+    naming the URL and what happened when it does not. Never raises: a gateway starts anyway
+    (the engine may come up later; until then turns are answered 503)."""
+    problem = await engine_health_problem(engine_url, timeout_s=timeout_s)
+    if problem is None:
+        log.info("the engine at %s answers its health check", engine_url)
+    else:
+        log.warning(
+            "the engine at %s does not answer its health check: %s (starting anyway; "
+            "turns fail with 503 until it does)",
+            engine_url,
+            problem,
+        )
+
+
+async def engine_health_problem(engine_url: str, *, timeout_s: float) -> str | None:
+    """None when ``GET {engine_url}/health`` answers a 2xx within ``timeout_s``; else what
+    happened, in words: ``connection refused``, ``no answer within 30 s``, ``HTTP 503
+    Service Unavailable``, or the connection error's own words."""
+    url = engine_url.rstrip("/") + "/health"
+    try:
+        # One try, no retries: this only decides whether to warn.
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as client,
+            client.get(url, allow_redirects=False) as resp,
+        ):
+            if 200 <= resp.status < 300:
+                return None
+            return f"HTTP {resp.status} {resp.reason or ''}".rstrip()
+    except aiohttp.ClientConnectorError as exc:
+        if isinstance(exc.os_error, ConnectionRefusedError):
+            return "connection refused"
+        return f"cannot connect ({exc.os_error.strerror or exc})"
+    except TimeoutError:
+        return f"no answer within {timeout_s:g} s"
+    except aiohttp.ClientError as exc:
+        return f"{type(exc).__name__}: {exc}"

@@ -90,7 +90,7 @@ def seccomp_filter(deny_inet: bool) -> bytes:
     if deny_inet not in _filters:
         try:
             import pyseccomp as sc
-        except (ImportError, OSError) as e:
+        except (ImportError, OSError, RuntimeError) as e:  # RuntimeError: no libseccomp
             raise SandboxError(f"bwrap backend needs pyseccomp and libseccomp2: {e}") from e
         f = sc.SyscallFilter(sc.ALLOW)
         for call in _PTRACE_LIKE:

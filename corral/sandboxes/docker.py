@@ -78,10 +78,21 @@ _STATE_DIR = "/tmp/.corral"  # exec bookkeeping inside the sandbox (stdin files)
 
 
 def _client() -> Any:
+    """A client of the daemon at ``DOCKER_HOST`` (or the default socket). :class:`SandboxError`,
+    one line, when none answers: ``from_env`` already asks the daemon for its API version, and
+    its ``DockerException`` (wrapping urllib3's wrapping of the socket error) would otherwise
+    reach the server's start-up as a 100-line chained traceback."""
     import docker
+    import docker.errors
 
-    # No per-request read timeout: an exec's output arrives when the command ends.
-    return docker.from_env(timeout=24 * 3600)
+    try:
+        # No per-request read timeout: an exec's output arrives when the command ends.
+        return docker.from_env(timeout=24 * 3600)
+    except docker.errors.DockerException as e:
+        where = os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+        raise SandboxError(
+            f"no docker daemon answers at {where}: {e} (start dockerd, or set DOCKER_HOST)"
+        ) from None
 
 
 class DockerSandbox(Sandbox):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import os
 import sys
@@ -37,10 +38,14 @@ def add_train_commands(sub: Any) -> None:
         "checkpoint resumes. Writes RUN/metrics.jsonl, RUN/tensorboard, RUN/checkpoints, "
         "RUN/evals and RUN/curves.png.",
     )
-    train.add_argument("config", nargs="?", help="a TOML file (see README: the trainer)")
+    train.add_argument(
+        "config", nargs="?", help="a TOML file (docs/training.md lists its sections and keys)"
+    )
     _add_set_option(train, "SECTION.KEY=VALUE", "--set rollout.temperature=1.2")
     train.add_argument("--run-dir", help="the run folder (default from the config: runs/train)")
-    train.add_argument("--steps", type=int, help="updates to reach (schedule.steps)")
+    train.add_argument(
+        "--steps", type=int, help="updates to reach (default from the config: schedule.steps)"
+    )
     train.add_argument("--ray", metavar="ADDRESS", help="place workers on this Ray cluster")
     train.set_defaults(func=cmd_train)
 
@@ -53,25 +58,31 @@ def add_train_commands(sub: Any) -> None:
         "result as a Hugging Face folder, RUN/model (an RL run's model.path).",
     )
     sft.add_argument("config", nargs="?", help="a TOML file of SftConfig fields")
-    sft.add_argument("--data", help="the training conversations (JSONL)")
+    sft.add_argument("--data", required=True, help="the training conversations (JSONL)")
     sft.add_argument("--eval-data", help="held-out conversations for eval/loss")
     sft.add_argument("--model", help="the starting model (default: the tiny model)")
     sft.add_argument("--run-dir", help="the run folder (default runs/sft)")
     _add_set_option(sft, "KEY=VALUE", "--set optim.lr=3e-4 --set epochs=2")
     sft.set_defaults(func=cmd_sft)
 
-    plot = sub.add_parser("plot", help="plot a training run's curves to a PNG")
+    plot = sub.add_parser(
+        "plot",
+        help="plot a training run's curves to a PNG",
+        description="Draws a run's metrics.jsonl: rewards with standard errors, the update, "
+        "the time split and the dropped groups.",
+    )
     plot.add_argument("run", help="the run folder (or its metrics.jsonl)")
     plot.add_argument("--out", help="the PNG (default RUN/curves.png)")
     plot.set_defaults(func=cmd_plot)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
+    """``corral train``: exit 0 when the run reached its steps (or had already: a message says
+    so), 2 for a config that cannot run here, 1 when training failed."""
     from corral.adapters.rows import RowsError
+    from corral.cli.errors import RunError
+    from corral.console import make_console
     from corral.envs.bundle import BundleError
-    from corral.trainer.config import ConfigError, load_config
     from corral.trainer.groups import BatchUnfillable
     from corral.trainer.services import ServicesError
     from corral.trainer.weights import WeightSyncError
@@ -79,23 +90,78 @@ def cmd_train(args: argparse.Namespace) -> int:
     overrides = _overrides(args, (("run_dir", "run_dir"), ("ray", "ray.address")))
     if args.steps is not None:
         overrides.append(f"schedule.steps={args.steps}")
-    try:
-        config = load_config(Path(args.config) if args.config else None, overrides)
-    except ConfigError as exc:
-        print(f"corral train: {exc}", file=sys.stderr)
-        return 2
+    config = _config("load_config", args.config, overrides)
+    if config.ray.address is None:  # on Ray the GPU is the cluster's, not this machine's
+        _check_device(config.model.device)
+    done = _finished_steps(config.run_dir)
+    if done is not None and done >= config.schedule.steps:
+        print(
+            f"corral train: run {config.run_dir} already finished {done} steps; pass --steps M "
+            f"(more than {done}) to continue or a new --run-dir",
+            file=sys.stderr,
+        )
+        return 0  # like make's "up to date": nothing to do is not a failure
     # megatron warns at import that Transformer Engine and Apex are absent: its local layers
     # are the ones corral builds on, by design.
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex)")
-    console = Console()
+    # Imported before any service starts: a missing megatron-core is one line, not a
+    # traceback after the engine, gateway and env server came up.
+    import megatron.core  # noqa: F401
+
+    console = make_console()
     try:
         lines = train(config, console)
     except (BatchUnfillable, WeightSyncError, BundleError, ServicesError, RowsError) as exc:
-        console.print(f"[red]corral train: {exc}")
-        return 1
+        raise RunError(str(exc)) from exc
     if lines:
         _report(console, config.run_dir)
     return 0
+
+
+def _config(loader: str, path: str | None, overrides: list[str]) -> Any:
+    """The config that ``corral.trainer.config.<loader>`` reads from ``path`` with
+    ``overrides``; its ConfigError (a bad file, ``--set`` item, key or value) as a
+    UsageError."""
+    from corral.cli.errors import UsageError
+    from corral.trainer import config as configs
+
+    try:
+        return getattr(configs, loader)(Path(path) if path else None, overrides)
+    except configs.ConfigError as exc:
+        raise UsageError(str(exc), "Fix the config file or the --set item.") from None
+
+
+def _check_device(device: str) -> None:
+    """A UsageError, before anything starts, when ``model.device`` is cuda and this torch
+    cannot use a GPU."""
+    if device != "cuda":
+        return
+    import torch
+
+    from corral.cli.errors import UsageError
+
+    if torch.cuda.is_available():
+        return
+    why = (
+        f"this torch has no CUDA (torch {torch.__version__}, a CPU-only build)"
+        if torch.version.cuda is None
+        else f"this torch (CUDA {torch.version.cuda}) sees no GPU"
+    )
+    raise UsageError(
+        f"model.device=cuda but {why}",
+        "Run on a machine with a GPU and a CUDA build of torch, or set model.device=cpu.",
+    )
+
+
+def _finished_steps(run_dir: Path) -> int | None:
+    """The step of ``run_dir``'s latest complete checkpoint, or None when it has none (read
+    from its ``state.json`` alone: the weights are not loaded for this)."""
+    from corral.trainer.checkpoint import TrainerState, latest_checkpoint
+
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        return None
+    return TrainerState(**json.loads((path / "state.json").read_text())).step
 
 
 def _report(console: Any, run_dir: Path) -> None:
@@ -130,13 +196,13 @@ def train(config: Any, console: Any) -> list[dict[str, Any]]:
 def run_training(config: Any, console: Any | None) -> list[dict[str, Any]]:
     """The leader: start the run's services, train with a progress display (one bar for the
     steps, one for the episodes of the current fill or evaluation, a line per step)."""
-    from rich.console import Console
     from rich.progress import Progress
 
+    from corral.console import make_console
     from corral.trainer.loop import Trainer
     from corral.trainer.services import run_services
 
-    console = console or Console()
+    console = console or make_console()
     with Progress(console=console, transient=False) as progress:
         steps = progress.add_task("steps", total=config.schedule.steps)
         work = progress.add_task("rollouts", total=None)
@@ -198,28 +264,26 @@ def _toml_string(value: str) -> str:
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
-    from rich.console import Console
+    """``corral sft``: exit 0 with the model written, 2 for a config that cannot run here, 1
+    for data or files that fail."""
     from rich.progress import Progress
 
-    from corral.trainer.config import ConfigError, load_sft_config
+    from corral.cli.errors import RunError
+    from corral.console import make_console
     from corral.trainer.sft_run import run_sft
 
     overrides = _overrides(args, (("data", "data"), ("eval_data", "eval_data"),
                                   ("model", "model.path"), ("run_dir", "run_dir")))  # fmt: skip
-    try:
-        config = load_sft_config(Path(args.config) if args.config else None, overrides)
-    except ConfigError as exc:
-        print(f"corral sft: {exc}", file=sys.stderr)
-        return 2
+    config = _config("load_sft_config", args.config, overrides)
+    _check_device(config.model.device)
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex)")
     if _torchrun_follower():  # no display: the leader shows the run
         try:
             run_sft(config)
         except (OSError, ValueError) as exc:
-            print(f"corral sft: {exc}", file=sys.stderr)
-            return 1
+            raise RunError(str(exc)) from exc
         return 0
-    console = Console()
+    console = make_console()
     with Progress(console=console) as progress:
         bar = progress.add_task("steps", total=None)
 
@@ -234,20 +298,24 @@ def cmd_sft(args: argparse.Namespace) -> int:
         try:
             run_sft(config, on_line=on_line)
         except (OSError, ValueError) as exc:
-            console.print(f"[red]corral sft: {exc}")
-            return 1
+            raise RunError(str(exc)) from exc
     console.print(f"model in {config.run_dir / 'model'}")
     _report(console, config.run_dir)
     return 0
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
+    from corral.cli.errors import RunError
     from corral.trainer.plot import plot_run
 
     try:
         out = plot_run(Path(args.run), Path(args.out) if args.out else None)
+    except FileNotFoundError as exc:
+        raise RunError(
+            f"no metrics at {exc.filename or args.run}",
+            "Pass a run folder that `corral train` or `corral sft` wrote.",
+        ) from None
     except (OSError, ValueError) as exc:
-        print(f"corral plot: {exc}", file=sys.stderr)
-        return 1
+        raise RunError(str(exc)) from None
     print(out)
     return 0

@@ -9,7 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-# Request fields (dotted: nested ones) the gateway accepts and ignores, and why. For the README.
+# Request fields (dotted: nested ones) the gateway accepts and ignores, and why (as docs/gateway.md
+# lists them).
 IGNORED_FIELDS: dict[str, str] = {
     "model": "the gateway serves one model; the response names it",
     "prompt_cache_key": "prefix caching is the engine's own, by token prefix",

@@ -1,7 +1,8 @@
-"""``corral``: one command, a subcommand per component.
+"""The subcommands besides training and ``corral play``: their arguments and a plain function
+each. Heavy imports (torch, transformers, uvicorn) happen inside the command that needs them.
 
-Each subcommand parses its arguments here and hands them to a plain function; heavy imports
-(torch, transformers) happen inside the subcommand that needs them.
+A command returns its exit code, or raises a :class:`~corral.cli.errors.CliError` that
+:func:`corral.cli.main` prints as one line.
 """
 
 from __future__ import annotations
@@ -9,14 +10,21 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from corral.gateway.settings import DEFAULT_CLIENT_TEMPLATE_KWARGS
+from corral.adapters.rows import RowSettings
+from corral.cli.checks import bundle_folder, gateway_error, model_folder, probe_gateway, rows_file
+from corral.cli.errors import RunError, UsageError, first_of
+from corral.gateway.parsers.reasoning import reasoning_parser_names
+from corral.gateway.parsers.tool_calls import tool_call_parser_names
+from corral.gateway.settings import DEFAULT_CLIENT_TEMPLATE_KWARGS, GatewaySettings
 from corral.sandboxes.base import SandboxError
+from corral.sandboxes.image import DEFAULT_TAG
 from corral.sandboxes.providers import BACKENDS
+
+# Where a default lives in the component, the flag takes it from there.
+_ROWS = RowSettings()
 
 
 def _name_list(text: str) -> list[str]:
@@ -36,12 +44,14 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
-def _token_from_env(var: str | None, what: str, *, open_warning: str | None = None) -> str | None:
+def token_from_env(var: str | None, what: str, *, open_warning: str | None = None) -> str | None:
     """Secrets come from the environment variable a flag names, never from the command line.
 
     With no variable named, ``open_warning`` (what is left open) goes to stderr; a variable
-    named but unset or empty exits with a message.
+    named but unset or empty is a UsageError.
     """
+    import sys
+
     from corral.env_secrets import SecretMissing, env_secret
 
     if var is None and open_warning is not None:
@@ -49,7 +59,7 @@ def _token_from_env(var: str | None, what: str, *, open_warning: str | None = No
     try:
         return env_secret(var, what)
     except SecretMissing as exc:
-        raise SystemExit(f"corral: {exc}") from None
+        raise UsageError(str(exc), f"Export {var} or name another variable.") from None
 
 
 def cmd_model_tiny(args: argparse.Namespace) -> int:
@@ -63,10 +73,11 @@ def cmd_model_tiny(args: argparse.Namespace) -> int:
 
 
 def cmd_engine(args: argparse.Namespace) -> int:
+    model = model_folder(args.model)  # before torch is imported: a wrong path fails at once
     from corral.engines.local.server import run_engine
 
     run_engine(
-        args.model,
+        model,
         host=args.host,
         port=args.port,
         device=args.device,
@@ -76,19 +87,22 @@ def cmd_engine(args: argparse.Namespace) -> int:
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
+    admin_token = token_from_env(args.admin_token_var, "--admin-token-var")
+    model = model_folder(args.model)
+    if admin_token is None:  # warned only once nothing stops the gateway from starting
+        token_from_env(
+            None,
+            "--admin-token-var",
+            open_warning="session management is open to anyone who can reach this port",
+        )
     import uvicorn
 
     from corral.gateway.server import create_gateway
     from corral.serving import KEEP_ALIVE_S
 
-    admin_token = _token_from_env(
-        args.admin_token_var,
-        "--admin-token-var",
-        open_warning="session management is open to anyone who can reach this port",
-    )
     app = create_gateway(
         args.engine_url,
-        args.model,
+        model,
         admin_token=admin_token,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
@@ -115,16 +129,17 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    bundle = bundle_folder(args.bundle)
     from corral.envs.server import build_app, run_server
 
-    token = _token_from_env(
+    token = token_from_env(
         args.token_var,
         "--token-var",
         open_warning="every route and episode is open to anyone who can reach this port",
     )
     try:
         app = build_app(
-            Path(args.bundle),
+            bundle,
             max_concurrent_envs=args.max_concurrent_envs,
             token=token,
             reset_timeout=args.reset_timeout,
@@ -134,9 +149,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             sandbox_image=args.sandbox_image,
             warm_sandboxes=args.warm_sandboxes,
         )
-    except (ValueError, SandboxError) as exc:
-        print(f"corral serve: {exc}", file=sys.stderr)
-        return 2
+    except SandboxError as exc:
+        # The machine lacks what the backend needs (one line per missing piece): a runtime
+        # problem, not a wrong invocation.
+        raise RunError("; ".join(str(exc).splitlines())) from None
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     # SIGTERM: new episodes are refused, live ones are closed (1001 with a reason) and torn
     # down, and the process exits 0; the server pings sockets every 20 s.
     run_server(app, host=args.host, port=args.port, log_level="info", access_log=False)
@@ -146,9 +164,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_rows(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
-    from corral.adapters.rows import RowsError, RowSettings, write_rows
+    from corral.adapters.rows import RowsError, write_rows
 
-    token = _token_from_env(args.token_var, "--token-var")
+    token = token_from_env(args.token_var, "--token-var")
     settings = RowSettings(
         max_turns=args.max_turns,
         tool_timeout=args.tool_timeout,
@@ -167,14 +185,15 @@ def cmd_rows(args: argparse.Namespace) -> int:
                 progress=lambda done, total: progress.update(task, completed=done, total=total),
             )
         except RowsError as exc:
-            print(f"corral rows: {exc}", file=sys.stderr)
-            return 1
+            raise RunError(str(exc), "Is `corral serve` running at that URL?") from None
     for name, count in counts.items():
         print(f"{Path(args.outdir) / name}: {count} rows")
     return 0
 
 
 def cmd_bundle_validate(args: argparse.Namespace) -> int:
+    import sys
+
     from corral.envs.bundle import validate_bundle
 
     problems = validate_bundle(Path(args.path))
@@ -188,57 +207,92 @@ def cmd_bundle_validate(args: argparse.Namespace) -> int:
 
 
 def read_rows(path: Path, split: str | None, limit: int | None) -> list[Any]:
-    """The rows of a rows file (``corral rows`` output), of ``split`` only when given."""
+    """The rows of a rows file (``corral rows`` output), of ``split`` only when given;
+    UsageError for a missing or malformed file, RunError when nothing is selected."""
     from corral.adapters.rows import RowsError
     from corral.adapters.rows import read_rows as read_chosen
 
     try:
-        rows = read_chosen(path, split=split, limit=limit)
+        rows = read_chosen(rows_file(path), split=split, limit=limit)
     except (OSError, RowsError) as exc:
-        raise SystemExit(f"corral: {exc}") from None
+        raise UsageError(str(exc), "Pass a file written by `corral rows`.") from None
     if not rows:
-        raise SystemExit(f"corral: {path} has no rows" + (f" of split {split!r}" if split else ""))
+        raise RunError(f"{path} has no rows" + (f" of split {split!r}" if split else ""))
     return rows
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     import asyncio
 
-    from rich.console import Console
     from rich.progress import Progress
 
-    from corral.adapters.evals import eval_rows, report_table, write_eval
-    from corral.adapters.player import PlayerError
+    from corral.adapters.evals import report_table, write_eval
+    from corral.console import make_console, print_table
 
     rows = read_rows(Path(args.rows), args.split or None, args.limit)
-    admin = _token_from_env(args.admin_token_var, "--admin-token-var")
-    env_token = _token_from_env(rows[0].metadata.env.token_var, "the rows' env token")
+    admin = token_from_env(args.admin_token_var, "--admin-token-var")
+    env_token = token_from_env(rows[0].metadata.env.token_var, "the rows' env token")
     sampling = {"temperature": args.temperature} if args.temperature is not None else None
-    console = Console()
+    asyncio.run(_probe(args.gateway, admin, args.admin_token_var))
+    console = make_console()
     with Progress(console=console) as progress:
         bar = progress.add_task("episodes", total=len(rows) * args.n)
-        try:
-            report = asyncio.run(
-                eval_rows(
-                    rows,
-                    args.gateway,
-                    admin_token=admin,
-                    env_token=env_token,
-                    n=args.n,
-                    concurrency=args.concurrency,
-                    sampling=sampling,
-                    on_episode=lambda _: progress.advance(bar),
-                )
-            )
-        except PlayerError as exc:
-            console.print(f"[red]corral eval: {exc}")
-            return 1
+        report = asyncio.run(
+            _eval(args, rows, admin, env_token, sampling, lambda _: progress.advance(bar))
+        )
     out = Path(args.out)
     write_eval(report, out)
     title = f"eval of {args.rows} ({args.split or 'all splits'}, n={args.n})"
-    console.print(report_table(report, title))
+    print_table(console, report_table(report, title))
     console.print(f"mean reward {report.overall.line()}; episodes in {out / 'episodes.jsonl'}")
     return 0
+
+
+async def _probe(url: str, admin: str | None, token_var: str | None) -> None:
+    from corral.adapters.gateway_admin import GatewayAdmin
+
+    async with GatewayAdmin(url, admin) as gateway:
+        await probe_gateway(gateway, token_var)
+
+
+async def _eval(
+    args: argparse.Namespace,
+    rows: list[Any],
+    admin: str | None,
+    env_token: str | None,
+    sampling: dict[str, Any] | None,
+    on_episode: Any,
+) -> Any:
+    """:func:`~corral.adapters.evals.eval_rows`, its failures as CliErrors: the gateway's
+    (unreachable, token refused), the env server's, a row's."""
+    import httpx
+
+    from corral.adapters.evals import eval_rows
+    from corral.adapters.gateway_admin import GatewayAdminError
+    from corral.adapters.player import PlayerError
+
+    try:
+        return await eval_rows(
+            rows,
+            args.gateway,
+            admin_token=admin,
+            env_token=env_token,
+            n=args.n,
+            concurrency=args.concurrency,
+            sampling=sampling,
+            on_episode=on_episode,
+        )
+    except (PlayerError, httpx.HTTPError, ExceptionGroup) as exc:
+        if (refused := first_of(exc, GatewayAdminError)) is not None:
+            assert isinstance(refused, GatewayAdminError)
+            raise gateway_error(refused, args.gateway, args.admin_token_var) from exc
+        if (env := first_of(exc, httpx.HTTPError)) is not None:
+            raise RunError(
+                f"the rows' env server failed: {env}", "Is `corral serve` running at the rows' URL?"
+            ) from exc
+        if (player := first_of(exc, PlayerError)) is not None:
+            raise RunError(str(player)) from exc
+        raise
 
 
 def cmd_sandbox_image_build(args: argparse.Namespace) -> int:
@@ -247,8 +301,7 @@ def cmd_sandbox_image_build(args: argparse.Namespace) -> int:
     try:
         built = build_image(args.tag, force=args.force)
     except RuntimeError as exc:
-        print(f"corral sandbox image build: {exc}", file=sys.stderr)
-        return 1
+        raise RunError(str(exc)) from None
     print(f"{args.tag}: {'built' if built else 'cached'} (inputs {inputs_hash()})")
     return 0
 
@@ -264,7 +317,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if policy is None and bundle.resolve() == DEFAULT_BUNDLE.resolve():
         policy = default if (default / "config.json").is_file() else None
     if not (bundle / "bundle.toml").exists():
-        raise SystemExit(f"corral run: no bundle at {bundle} (pass --bundle PATH)")
+        raise UsageError(f"no bundle at {bundle} (pass --bundle PATH)")
     try:
         return run_main_job(
             workdir=Path(args.workdir),
@@ -276,17 +329,23 @@ def cmd_run(args: argparse.Namespace) -> int:
             policy_days=args.policy_days,
         )
     except PolicyMissing as exc:
-        raise SystemExit(f"corral run: {exc} (--policy)") from None
+        raise UsageError(f"{exc} (--policy)") from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="corral",
-        description="corral: an agentic RL gym. A chat gateway records every turn as exact "
-        "training tokens.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+def add_core_commands(sub: Any) -> None:
+    """Add every subcommand of this module to ``sub`` (the top parser's subparsers)."""
+    _add_run(sub)
+    _add_model(sub)
+    _add_serve(sub)
+    _add_rows(sub)
+    _add_eval(sub)
+    _add_bundle(sub)
+    _add_sandbox(sub)
+    _add_engine(sub)
+    _add_gateway(sub)
 
+
+def _add_run(sub: Any) -> None:
     run = sub.add_parser(
         "run",
         help="the main job on embedded defaults (tiny model, engine, gateway, gridsim server)",
@@ -298,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--workdir", default=".corral", help="where models and outputs go")
     run.add_argument("--episodes", type=int, default=4, help="conversations to play")
-    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--seed", type=int, default=0, help="seed of the conversations' sampling")
     run.add_argument("--bundle", help="env bundle folder (default: the repository's gridsim)")
     run.add_argument(
         "--sandbox",
@@ -316,9 +375,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.set_defaults(func=cmd_run)
 
-    model = sub.add_parser("model", help="build models").add_subparsers(
-        dest="model_command", required=True, metavar="KIND"
-    )
+
+def _add_model(sub: Any) -> None:
+    model = sub.add_parser(
+        "model", help="build models", description="Build models offline."
+    ).add_subparsers(dest="model_command", required=True, metavar="KIND")
     tiny = model.add_parser(
         "tiny",
         help="build the tiny offline chat model (Hugging Face format)",
@@ -332,10 +393,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="qwen25",
         help="qwen3 drops earlier <think> blocks from history (to exercise drift)",
     )
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     tiny.add_argument("--no-imprint", action="store_true", help="random weights only")
     tiny.set_defaults(func=cmd_model_tiny)
 
+
+def _add_serve(sub: Any) -> None:
     serve = sub.add_parser(
         "serve",
         help="serve an env bundle over HTTP + WebSocket",
@@ -348,16 +411,24 @@ def build_parser() -> argparse.ArgumentParser:
         "in a temporary folder with NO isolation, for development only. The verifier always "
         "runs in this process.",
     )
-    serve.add_argument("bundle", help="the bundle folder")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8200)
+    serve.add_argument("bundle", help="the bundle folder (it holds bundle.toml)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8200, help="port to listen on")
     serve.add_argument(
         "--token-var", metavar="NAME", help="environment variable holding the bearer token"
     )
-    serve.add_argument("--max-concurrent-envs", type=int, default=64)
-    serve.add_argument("--reset-timeout", type=float, default=600.0, help="seconds to wait")
-    serve.add_argument("--idle-timeout", type=float, default=600.0, help="reap after idle s")
-    serve.add_argument("--tool-timeout", type=float, default=60.0, help="seconds per call")
+    serve.add_argument(
+        "--max-concurrent-envs", type=int, default=64, help="episodes live at once (the rest wait)"
+    )
+    serve.add_argument(
+        "--reset-timeout", type=float, default=600.0, help="seconds an episode may take to start"
+    )
+    serve.add_argument(
+        "--idle-timeout", type=float, default=600.0, help="seconds idle before an episode is reaped"
+    )
+    serve.add_argument(
+        "--tool-timeout", type=float, default=60.0, help="seconds a tool call may take"
+    )
     serve.add_argument(
         "--sandbox",
         choices=list(BACKENDS),
@@ -372,6 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.set_defaults(func=cmd_serve)
 
+
+def _add_rows(sub: Any) -> None:
     rows = sub.add_parser(
         "rows",
         help="write an env server's tasks as training rows",
@@ -380,14 +453,27 @@ def build_parser() -> argparse.ArgumentParser:
         "token's environment variable, never the token.",
     )
     rows.add_argument("url", help="the env server, e.g. http://127.0.0.1:8200")
-    rows.add_argument("outdir")
-    rows.add_argument("--max-turns", type=int, default=4)
-    rows.add_argument("--tool-timeout", type=float, default=60.0)
-    rows.add_argument("--reset-timeout", type=float, default=600.0)
-    rows.add_argument("--model-timeout", type=float, default=600.0)
+    rows.add_argument("outdir", help="folder the rows files go to")
+    rows.add_argument(
+        "--max-turns", type=int, default=_ROWS.max_turns, help="model turns per episode"
+    )
+    rows.add_argument(
+        "--tool-timeout", type=float, default=_ROWS.tool_timeout, help="seconds per tool call"
+    )
+    rows.add_argument(
+        "--reset-timeout",
+        type=float,
+        default=_ROWS.reset_timeout,
+        help="seconds an episode may take to start",
+    )
+    rows.add_argument(
+        "--model-timeout", type=float, default=_ROWS.model_timeout, help="seconds per model call"
+    )
     rows.add_argument("--token-var", metavar="NAME", help="environment variable with the token")
     rows.set_defaults(func=cmd_rows)
 
+
+def _add_eval(sub: Any) -> None:
     ev = sub.add_parser(
         "eval",
         help="play a split's rows through the gateway and report the mean reward",
@@ -403,14 +489,16 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--split", default="eval", help="only rows of this split ('' for all)")
     ev.add_argument("--n", type=int, default=1, help="rollouts per task")
     ev.add_argument("--limit", type=int, help="at most this many rows")
-    ev.add_argument("--concurrency", type=int, default=8)
+    ev.add_argument("--concurrency", type=int, default=8, help="episodes at once")
     ev.add_argument("--temperature", type=float, help="override the sampling temperature")
     ev.add_argument("--out", default=".corral/eval", help="where episodes and summary go")
     ev.set_defaults(func=cmd_eval)
 
-    bundle = sub.add_parser("bundle", help="env bundles").add_subparsers(
-        dest="bundle_command", required=True, metavar="ACTION"
-    )
+
+def _add_bundle(sub: Any) -> None:
+    bundle = sub.add_parser(
+        "bundle", help="env bundles", description="Work with env bundles."
+    ).add_subparsers(dest="bundle_command", required=True, metavar="ACTION")
     validate = bundle.add_parser(
         "validate",
         help="check a bundle and explain every problem found",
@@ -420,12 +508,14 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("path", help="the bundle folder")
     validate.set_defaults(func=cmd_bundle_validate)
 
-    sandbox = sub.add_parser("sandbox", help="sandbox backends").add_subparsers(
-        dest="sandbox_command", required=True, metavar="ACTION"
-    )
-    image = sandbox.add_parser("image", help="the docker sandbox image").add_subparsers(
-        dest="image_command", required=True, metavar="ACTION"
-    )
+
+def _add_sandbox(sub: Any) -> None:
+    sandbox = sub.add_parser(
+        "sandbox", help="sandbox backends", description="Sandbox backends."
+    ).add_subparsers(dest="sandbox_command", required=True, metavar="ACTION")
+    image = sandbox.add_parser(
+        "image", help="the docker sandbox image", description="The docker sandbox image."
+    ).add_subparsers(dest="image_command", required=True, metavar="ACTION")
     build = image.add_parser(
         "build",
         help="build the docker sandbox image without a registry (debootstrap + docker import)",
@@ -433,10 +523,12 @@ def build_parser() -> argparse.ArgumentParser:
         "daemon DOCKER_HOST names. Cached: an image whose input-hash label matches is reused. "
         "Needs root, debootstrap, docker and a Debian mirror (CORRAL_DEBIAN_MIRROR).",
     )
-    build.add_argument("--tag", default="corral-sandbox:py3")
+    build.add_argument("--tag", default=DEFAULT_TAG, help="the image's name:tag")
     build.add_argument("--force", action="store_true", help="rebuild even when cached")
     build.set_defaults(func=cmd_sandbox_image_build)
 
+
+def _add_engine(sub: Any) -> None:
     engine = sub.add_parser(
         "engine",
         help="serve a model with the local engine (SGLang's native API; not SGLang)",
@@ -444,15 +536,21 @@ def build_parser() -> argparse.ArgumentParser:
         "/abort_request, /update_weights_from_disk, ...). For CPU, tests and small runs; use "
         "SGLang itself for real serving.",
     )
-    engine.add_argument("--model", required=True, help="Hugging Face model folder")
-    engine.add_argument("--host", default="127.0.0.1")
-    engine.add_argument("--port", type=int, default=30000)
-    engine.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    engine.add_argument(
+        "--model", required=True, help="a local Hugging Face model folder (config.json, weights)"
+    )
+    engine.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    engine.add_argument("--port", type=int, default=30000, help="port to listen on")
+    engine.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs"
+    )
     engine.add_argument(
         "--max-batch-size", type=int, default=64, help="requests decoded together (the rest wait)"
     )
     engine.set_defaults(func=cmd_engine)
 
+
+def _add_gateway(sub: Any) -> None:
     gateway = sub.add_parser(
         "gateway",
         help="serve the OpenAI chat gateway in front of an SGLang-API engine",
@@ -460,18 +558,30 @@ def build_parser() -> argparse.ArgumentParser:
         "training tokens (GET /sessions/{id}/samples).",
     )
     gateway.add_argument("--engine-url", required=True, help="SGLang server, router or local")
-    gateway.add_argument("--model", required=True, help="folder with the tokenizer + template")
-    gateway.add_argument("--host", default="127.0.0.1")
-    gateway.add_argument("--port", type=int, default=8000)
+    gateway.add_argument(
+        "--model", required=True, help="local Hugging Face folder with the tokenizer + template"
+    )
+    gateway.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    gateway.add_argument("--port", type=int, default=8000, help="port to listen on")
     gateway.add_argument(
         "--admin-token-var",
         metavar="NAME",
         help="environment variable holding the admin token for session management",
     )
     gateway.add_argument(
-        "--tool-call-parser", default="qwen25", help="qwen25 (hermes), qwen3_coder or llama3"
+        "--tool-call-parser",
+        choices=tool_call_parser_names(),
+        default=GatewaySettings.tool_call_parser,
+        metavar="NAME",
+        help="how the model writes tool calls: " + ", ".join(tool_call_parser_names()),
     )
-    gateway.add_argument("--reasoning-parser", default="none", help="none or qwen3")
+    gateway.add_argument(
+        "--reasoning-parser",
+        choices=reasoning_parser_names(),
+        default=GatewaySettings.reasoning_parser,
+        metavar="NAME",
+        help="how the model marks its reasoning: " + ", ".join(reasoning_parser_names()),
+    )
     gateway.add_argument(
         "--chat-template-kwargs",
         type=_json_object,
@@ -494,23 +604,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="level of corral's and uvicorn's loggers",
     )
     gateway.add_argument("--served-model-name", help="model name in answers (default: folder)")
-    gateway.add_argument("--max-sessions", type=int, default=10_000)
-    gateway.add_argument("--max-held-tokens", type=int, default=200_000_000)
-    gateway.add_argument("--session-ttl", type=float, default=3600.0, help="seconds idle")
+    gateway.add_argument(
+        "--max-sessions",
+        type=int,
+        default=GatewaySettings.max_sessions,
+        help="sessions held at once (more: 429)",
+    )
+    gateway.add_argument(
+        "--max-held-tokens",
+        type=int,
+        default=GatewaySettings.max_held_tokens,
+        help="tokens all sessions may hold together (more: 429)",
+    )
+    gateway.add_argument(
+        "--session-ttl",
+        type=float,
+        default=GatewaySettings.session_ttl_s,
+        help="seconds idle before a session is dropped",
+    )
     gateway.add_argument("--access-log", action="store_true", help="log every request")
     gateway.set_defaults(func=cmd_gateway)
-    from corral.adapters.agents import add_play_command
-    from corral.trainer.commands import add_train_commands
-
-    add_play_command(sub)
-    add_train_commands(sub)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

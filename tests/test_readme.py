@@ -1,0 +1,179 @@
+"""The README's snippets run as pasted, in order, in one shell, in a clean copy of the repository.
+
+Every ```bash and ```python block of README.md is a snippet, except a block right after a
+``<!-- readme-test: skip (reason) -->`` comment. The bash blocks are joined into one script
+(so ``export``s and background servers carry from one block to the next); each python block
+runs as ``python -`` at its place in that script, with the script's environment. The copy holds
+the repository's tracked and untracked-but-not-ignored files, as a fresh clone would, and the
+snippets write only there. The servers they start in the background are real (the local engine,
+the gateway, the env servers) on the README's fixed ports, which must be free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+PORTS = (30000, 8000, 8200, 8201)  # the ones the snippets use
+SKIP = re.compile(r"<!--\s*readme-test:\s*skip\s*\((?P<reason>[^)]+)\)\s*-->")
+FENCE = re.compile(r"^```(?P<lang>[A-Za-z0-9_-]*)\s*$")
+
+
+@dataclass(frozen=True)
+class Snippet:
+    lang: str
+    code: str
+    line: int  # where its fence opens, 1-based
+    skip_reason: str | None
+
+
+def readme_snippets(text: str) -> list[Snippet]:
+    """Every fenced bash/python block of ``text``, in order, with its skip reason if any.
+
+    Raises ValueError on a fence that is never closed (a README that renders wrongly)."""
+    lines = text.splitlines()
+    snippets: list[Snippet] = []
+    i = 0
+    while i < len(lines):
+        opened = FENCE.match(lines[i])
+        if not opened:
+            i += 1
+            continue
+        start = i
+        end = next((j for j in range(i + 1, len(lines)) if lines[j].startswith("```")), None)
+        if end is None:
+            raise ValueError(f"README.md:{start + 1}: a code fence that is never closed")
+        lang = opened["lang"]
+        if lang in ("bash", "python"):
+            before = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
+            skip = SKIP.search(before)
+            snippets.append(
+                Snippet(
+                    lang=lang,
+                    code="\n".join(lines[start + 1 : end]),
+                    line=start + 1,
+                    skip_reason=skip["reason"].strip() if skip else None,
+                )
+            )
+        i = end + 1
+    return snippets
+
+
+def shell_script(snippets: list[Snippet]) -> str:
+    """One bash script that runs the snippets in order and stops at the first failure."""
+    parts = ["set -euo pipefail"]
+    for snippet in snippets:
+        parts.append(f"echo '>>> README.md:{snippet.line}' >&2")
+        if snippet.lang == "bash":
+            parts.append(snippet.code)
+        else:
+            marker = "CORRAL_README_PYTHON"
+            assert marker not in snippet.code
+            parts.append(f"python - <<'{marker}'\n{snippet.code}\n{marker}")
+    return "\n".join(parts) + "\n"
+
+
+def clean_copy(dest: Path) -> Path:
+    """The files a fresh clone of this checkout would have (tracked + untracked, not ignored)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    ).stdout.split(b"\0")
+    for raw in filter(None, listed):
+        rel = Path(os.fsdecode(raw))
+        source = REPO / rel
+        if not source.is_file():  # deleted in the work tree but still tracked
+            continue
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source, target)
+    return dest
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def test_snippets_parse_and_every_skip_says_why() -> None:
+    snippets = readme_snippets(README.read_text())
+    run = [s for s in snippets if s.skip_reason is None]
+    assert len(run) >= 6, "the Quick start's snippets were not found"
+    assert any(s.lang == "python" for s in run)
+    skipped = [s for s in snippets if s.skip_reason is not None]
+    # Only the two commands are not run here: they are what CI itself runs.
+    assert [s.line for s in skipped] == [snippets[0].line], skipped
+    assert "corral run" in snippets[0].code and "bash .ci/run" in snippets[0].code
+
+
+def test_a_fence_left_open_is_an_error() -> None:
+    with pytest.raises(ValueError, match="never closed"):
+        readme_snippets("text\n```bash\necho hi\n")
+
+
+@pytest.mark.timeout(1200)
+def test_readme_snippets_run_as_pasted(tmp_path: Path) -> None:
+    busy = [port for port in PORTS if not port_is_free(port)]
+    assert not busy, f"the README's ports {busy} are taken on this machine: free them first"
+    snippets = [s for s in readme_snippets(README.read_text()) if s.skip_reason is None]
+    root = clean_copy(tmp_path / "corral")
+    script = root / ".readme-snippets.sh"
+    script.write_text(shell_script(snippets))
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_TOKEN") and k != "CORRAL_ADMIN"}
+    # `python` and `corral` are this interpreter's, as after the README's pip install.
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    # Output to a file, not a pipe: servers left running by a failed snippet would hold a pipe
+    # open, and the test would wait for them instead of for the script.
+    log = tmp_path / "snippets.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            ["bash", str(script)],
+            cwd=root,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            proc.wait(timeout=1100)
+        finally:
+            # The last snippet stops the servers; a failure midway leaves them to this.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    output = log.read_text()
+    tail = output[-6000:]
+    assert proc.returncode == 0, f"a README snippet failed (rc {proc.returncode}):\n{tail}"
+    assert "Traceback" not in output, tail
+    # What the snippets say they produce.
+    assert re.search(r"^\d+ tokens, \d+ of them the model's$", output, re.M), tail
+    assert "reward 1.0 status completed" in output, tail
+    # The shellcraft episode, played by hand in a bwrap sandbox.
+    assert "uid=1000" in output, tail
+    assert "status graded reward 0.0" in output, tail
+    for made in (
+        "tiny/config.json",
+        "rows/eval.jsonl",
+        "runs/eval/summary.json",
+        "runs/play/summary.json",
+        "runs/train/metrics.jsonl",
+        "runs/train/curves.png",
+    ):
+        assert (root / made).is_file(), f"{made} was not written:\n{tail}"
