@@ -508,7 +508,9 @@ class SGLangClient:
                 raise error
             delay = min(_BACKOFF_FIRST * 2**attempt, _BACKOFF_MAX)
             attempt += 1
-            log.warning(
+            # DEBUG: a retry that succeeds is not news, and one that fails is reported once,
+            # by whoever gets the error (the gateway's line for the request, a CLI's).
+            log.debug(
                 "%s (attempt %d of %d, retrying in %.2fs)", error, attempt, self.retries + 1, delay
             )
             await asyncio.sleep(delay)

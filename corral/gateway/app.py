@@ -16,8 +16,7 @@ import hashlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from contextvars import ContextVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict
@@ -64,14 +63,6 @@ T = TypeVar("T")
 # The Stainless-generated SDKs (OpenAI's and Anthropic's) send this on retries of a request.
 RETRY_HEADER = "x-stainless-retry-count"
 REAP_INTERVAL_S = 30.0
-
-# The loggers of the layers under the HTTP layer that log a failure as it happens (the engine
-# client each retry, the pipeline each engine failure): while a request is served, what they
-# log below ERROR is folded into the request's one line (see _HoldForRequestLine).
-FOLDED_LOGGERS = ("corral.engines.sglang", "corral.gateway.pipeline")
-# The records held for the request being served (None outside one). A context variable: the
-# tasks a request starts (engine calls) inherit it, other requests and threads do not.
-_HELD: ContextVar[list[logging.LogRecord] | None] = ContextVar("gateway_held_records", default=None)
 
 
 class RewardBody(BaseModel):
@@ -121,8 +112,7 @@ def build_gateway_app(
         if startup_check is not None:
             checking = asyncio.ensure_future(startup_check())
         try:
-            with _folding_into_request_lines():
-                yield
+            yield
         finally:
             reaper.cancel()
             if checking is not None:
@@ -141,14 +131,13 @@ def build_gateway_app(
         def register(handler: Callable[..., Awaitable[Response]]) -> None:
             async def endpoint(request: Request) -> Response:
                 start = time.perf_counter()
-                with _request_log():
-                    try:
-                        response = await handler(request, **request.path_params)
-                    except GatewayError as exc:
-                        response = _error_response(exc, dialect, request)
-                    except Exception as exc:  # a bug: answered 500 in the dialect's shape
-                        response = _error_response(_unexpected(exc), dialect, request)
-                        log.debug("the traceback of the 500 above", exc_info=exc)
+                try:
+                    response = await handler(request, **request.path_params)
+                except GatewayError as exc:
+                    response = _error_response(exc, dialect, request)
+                except Exception as exc:  # a bug: answered 500 in the dialect's shape
+                    response = _error_response(_unexpected(exc), dialect, request)
+                    log.debug("the traceback of the 500 above", exc_info=exc)
                 if not isinstance(response, EventStream):
                     metrics.request(
                         path, dialect_name, response.status_code, time.perf_counter() - start
@@ -335,13 +324,17 @@ def build_gateway_app(
                 # (engine abort) now, not whenever the garbage collector gets to it.
                 sent: list[TurnEvent] = []
                 async with contextlib.aclosing(stream):
-                    async for batch in _after(head, stream):
-                        sent.extend(batch)
-                        if answers:
-                            # Recorded before the closing frames go out: a client that retries
-                            # the moment it has them must find the answer to replay.
-                            await commit(answers.pop(), sent)
-                        yield batch
+                    try:
+                        async for batch in _after(head, stream):
+                            sent.extend(batch)
+                            if answers:
+                                # Recorded before the closing frames go out: a client that
+                                # retries the moment it has them must find the answer to replay.
+                                await commit(answers.pop(), sent)
+                            yield batch
+                    except GatewayError as exc:  # mid-stream: the dialect frames it as an event
+                        _log_failure(exc, request)
+                        raise
 
             async def events() -> AsyncIterator[str]:
                 async with contextlib.aclosing(dialect.frame(batches(), turn_request, ctx)) as f:
@@ -561,49 +554,6 @@ def _unexpected(exc: Exception) -> GatewayError:
         "the gateway failed to answer this request",
         detail=f"{type(exc).__name__}: {exc}",
     )
-
-
-class _HoldForRequestLine(logging.Filter):
-    """Holds back the records below ERROR logged while a request is served (they go into
-    :data:`_HELD`, and out again at DEBUG when the request ends): the request's line says
-    what failed, once. Records logged outside a request pass."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        held = _HELD.get()
-        if held is None or record.levelno >= logging.ERROR:
-            return True
-        held.append(record)
-        return False
-
-
-@contextlib.contextmanager
-def _folding_into_request_lines() -> Iterator[None]:
-    """While the app runs, hold the :data:`FOLDED_LOGGERS`' records about a request back
-    (removed again on exit, so an app that stopped leaves the loggers as they were)."""
-    hold = _HoldForRequestLine()
-    loggers = [logging.getLogger(name) for name in FOLDED_LOGGERS]
-    for logger in loggers:
-        logger.addFilter(hold)
-    try:
-        yield
-    finally:
-        for logger in loggers:
-            logger.removeFilter(hold)
-
-
-@contextlib.contextmanager
-def _request_log() -> Iterator[None]:
-    """Serve one request with its records held (:class:`_HoldForRequestLine`); when it ends,
-    log them at DEBUG, after the request's own line."""
-    held: list[logging.LogRecord] = []
-    token = _HELD.set(held)
-    try:
-        yield
-    finally:
-        _HELD.reset(token)
-        if log.isEnabledFor(logging.DEBUG):
-            for record in held:
-                log.debug("%s: %s", record.name, record.getMessage())
 
 
 def _same_secret(given: str, expected: str) -> bool:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import secrets
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
@@ -69,8 +68,6 @@ from corral.gateway.turns import (
     new_turn_id,
     now_s,
 )
-
-log = logging.getLogger(__name__)
 
 # Requests with more text than this are rendered and tokenized in a worker thread, so that
 # one large prompt (a coding agent's 50 KB first request) does not stall the event loop.
@@ -347,7 +344,6 @@ class TurnPipeline:
                 task.cancel()
             await self._abort_all(rids)
             if isinstance(exc, EngineError):
-                log.warning("engine failure: %s", exc)
                 raise engine_error(exc) from None
             raise
         outputs = []
@@ -521,7 +517,6 @@ class TurnPipeline:
                         )
                     continue
                 if isinstance(item, EngineError):
-                    log.warning("engine failure: %s", item)
                     raise engine_error(item)
                 if isinstance(item, BaseException):
                     raise item
