@@ -111,7 +111,7 @@ STAND_IN_CALL = (
     '<tool_call>\n{"name": "Read", "arguments": {"file_path": "/workspace/src/app.py"}}\n'
     "</tool_call>"
 )
-# Issue 2's targets.
+# The gateway's targets: what it may add to an engine call, and what it may cost.
 MAX_ADDED_P50_S = 1e-3
 MIN_RATIO = 0.9
 MAX_CPU_VS_BASELINE = 0.10

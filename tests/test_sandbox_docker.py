@@ -217,7 +217,7 @@ async def test_sweep_removes_dead_owners_and_expired(
 
 
 async def test_start_latency(provider: Any) -> None:
-    """Create + first exec; the issue's target is a p50 under 1.5 s on this machine."""
+    """Create + first exec; the target is a p50 under 1.5 s on this machine."""
     times = []
     for _ in range(5):
         t0 = time.monotonic()
