@@ -84,7 +84,9 @@ venv() {
     # An editable install points at the checkout it was made from; CI clones afresh, maybe
     # elsewhere: point it at this one (no dependency changes, so no resolution).
     local at
-    at="$("$dir/bin/python" -c 'import corral; print(corral.__path__[0])' 2>/dev/null || true)"
+    # Asked from / : run from the checkout, python would find ./corral first whatever the
+    # install points at.
+    at="$(cd / && "$dir/bin/python" -c 'import corral; print(corral.__path__[0])' 2>/dev/null || true)"
     if [ "$at" != "$REPO/corral" ]; then
         "$dir/bin/pip" install --no-deps -e "$REPO" >>"$log" 2>&1 || fail "$name: re-pointing at $REPO ($log)"
     fi
