@@ -17,3 +17,8 @@ class EngineTimeout(EngineError):
 
 class EngineProtocolError(EngineError):
     """The engine answered, but not with SGLang's API (bad status, bad JSON, wrong shape)."""
+
+
+class EngineNoWorker(EngineUnavailable):
+    """The engine URL is a router (sglang-router, smg) that has no healthy worker to send the
+    request to: every worker is down, unhealthy or behind an open circuit breaker."""

@@ -15,6 +15,15 @@ Contracts, for every method:
   reset after sending) is retried only for idempotent calls (the GETs, ``abort`` and
   ``flush_cache``), never for ``generate``, ``stream`` or ``update_weights_from_disk``.
 - Non-2xx answers are never retried: the engine decided.
+- Behind one of SGLang's routers (sglang-router, smg) the router's own failures are told
+  apart from its workers' answers: "no available workers" -> ``EngineNoWorker`` (an
+  ``EngineUnavailable``), "could not send to the worker" -> ``EngineUnavailable``.
+
+Session affinity: a request's ``routing_key`` (``GenerateRequest.routing_key``, never in the
+body) goes out as the ``X-SMG-Routing-Key`` header, which smg's ``consistent_hashing`` and
+sglang-router's ``manual`` policy hash to pick the worker, so every request with one key
+reaches the same worker. ``abort(rid)`` sends the key its request was sent with (the client
+remembers it for its last ``_ROUTING_KEYS_KEPT`` requests). A plain engine ignores the header.
 """
 
 from __future__ import annotations
@@ -22,7 +31,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncGenerator
+from collections import OrderedDict
+from collections.abc import AsyncGenerator, Mapping
 from contextlib import aclosing, suppress
 from types import TracebackType
 from typing import Any, Literal, Self, TypeVar, overload
@@ -33,6 +43,7 @@ from yarl import URL
 
 from corral.engines.errors import (
     EngineError,
+    EngineNoWorker,
     EngineProtocolError,
     EngineTimeout,
     EngineUnavailable,
@@ -66,6 +77,16 @@ _MESSAGE_MAX = 500  # how much of an engine's error body goes into an exception 
 _KEEPALIVE_S = 4.0
 _LINE_MAX = 64 * 1024 * 1024  # a stream line longer than this is not SGLang's
 _JSON_HEADERS = {"Content-Type": "application/json"}
+# The session-affinity header of SGLang's routers (smg's header_utils: x-smg-routing-key).
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+# How many rid -> routing key pairs are kept for abort(rid): far more than are in flight.
+_ROUTING_KEYS_KEPT = 4096
+# The error codes of SGLang's routers (sglang-router 0.3, smg 1.x) for their own failures:
+# no worker to pick, and a worker that could not be sent the request.
+_ROUTER_NO_WORKER = frozenset({"no_available_workers"})
+_ROUTER_UPSTREAM_FAILED = frozenset(
+    {"call_upstream_connection_failed", "call_upstream_request_error"}
+)
 # aiohttp >= 3.10 raises ConnectionTimeoutError for a connect (or pool) timeout; 3.9 raises
 # ServerTimeoutError for it and for read timeouts alike, which are then all taken as read
 # timeouts: never resent for a non-idempotent call, at worst not retried.
@@ -134,6 +155,7 @@ class SGLangClient:
         self.retries = retries
         self._timeout = self._client_timeout(timeout)
         self._urls: dict[str, URL] = {}
+        self._routing_keys: OrderedDict[str, str] = OrderedDict()  # rid -> routing key
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
@@ -173,7 +195,9 @@ class SGLangClient:
         # Serialised by pydantic-core: a long session's 100k prompt ids cost the stdlib's
         # json.dumps some 10 ms a turn.
         body = req.model_copy(update={"stream": False}).model_dump_json(exclude_none=True).encode()
-        resp = await self._checked("POST", "/generate", json_body=body, idempotent=False)
+        resp = await self._checked(
+            "POST", "/generate", json_body=body, idempotent=False, headers=self._routing(req)
+        )
         where = self._where("POST", "/generate")
         return _complete_output_ids(_parse(resp, GenerateResponse, where), req, where)
 
@@ -196,7 +220,9 @@ class SGLangClient:
         # Serialised by pydantic-core: a long session's 100k prompt ids cost the stdlib's
         # json.dumps some 10 ms a turn.
         body = req.model_copy(update={"stream": True}).model_dump_json(exclude_none=True).encode()
-        resp = await self._open("POST", "/generate", json_body=body, idempotent=False)
+        resp = await self._open(
+            "POST", "/generate", json_body=body, idempotent=False, headers=self._routing(req)
+        )
         complete = False
         try:
             if resp.status >= 300:
@@ -232,10 +258,15 @@ class SGLangClient:
     # --- control ----------------------------------------------------------------------
 
     async def abort(self, rid: str) -> None:
-        """``POST /abort_request {rid}``. Aborting an unknown or finished rid is a no-op on
+        """``POST /abort_request {rid}``, with the routing key ``rid`` was sent with (so that a
+        router takes it to the same worker). Aborting an unknown or finished rid is a no-op on
         SGLang's side; retried after a reset too, since aborting twice is harmless."""
         body = AbortRequest(rid=rid).model_dump()
-        await self._checked("POST", "/abort_request", json_body=body, idempotent=True)
+        key = self._routing_keys.get(rid)
+        headers = {ROUTING_KEY_HEADER: key} if key is not None else None
+        await self._checked(
+            "POST", "/abort_request", json_body=body, idempotent=True, headers=headers
+        )
 
     async def abort_all(self) -> None:
         """``POST /abort_request {abort_all: true}``: abort every request on the engine."""
@@ -310,6 +341,19 @@ class SGLangClient:
     def _where(self, method: str, path: str) -> str:
         return f"{method} {self.base_url}{path}"
 
+    def _routing(self, req: GenerateRequest) -> dict[str, str] | None:
+        """The routing-key header for ``req`` (None without a key); remembers it for
+        ``abort(req.rid)``."""
+        key = req.routing_key
+        if key is None:
+            return None
+        if req.rid is not None:
+            self._routing_keys[req.rid] = key
+            self._routing_keys.move_to_end(req.rid)
+            while len(self._routing_keys) > _ROUTING_KEYS_KEPT:
+                self._routing_keys.popitem(last=False)
+        return {ROUTING_KEY_HEADER: key}
+
     def _client_timeout(self, read_timeout: float) -> aiohttp.ClientTimeout:
         # ``connect`` bounds waiting for a pooled connection plus connecting (httpx's pool
         # timeout, which was the read timeout); ``sock_connect`` bounds the TCP connect alone.
@@ -365,9 +409,13 @@ class SGLangClient:
         *,
         json_body: dict[str, Any] | bytes | None = None,
         idempotent: bool,
+        headers: Mapping[str, str] | None = None,
     ) -> _Answer:
-        """``_request`` that turns a non-2xx answer into ``EngineStatusError``."""
-        resp = await self._request(method, path, json_body=json_body, idempotent=idempotent)
+        """``_request`` that turns a non-2xx answer into ``EngineStatusError`` (or, for a
+        router's own failure, ``EngineUnavailable``)."""
+        resp = await self._request(
+            method, path, json_body=json_body, idempotent=idempotent, headers=headers
+        )
         if not resp.is_success:
             raise _status_error(resp, self._where(method, path))
         return resp
@@ -380,12 +428,18 @@ class SGLangClient:
         json_body: dict[str, Any] | bytes | None = None,
         idempotent: bool,
         read_timeout: float | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> _Answer:
         """Send one request and read its whole answer, with the retry policy of the module
         docstring. Returns the answer whatever its status. Raises ``EngineUnavailable`` /
         ``EngineTimeout`` / ``EngineError``, never an ``aiohttp`` exception."""
         return await self._send(
-            method, path, json_body=json_body, idempotent=idempotent, read_timeout=read_timeout
+            method,
+            path,
+            json_body=json_body,
+            idempotent=idempotent,
+            read_timeout=read_timeout,
+            headers=headers,
         )
 
     async def _open(
@@ -395,11 +449,12 @@ class SGLangClient:
         *,
         json_body: dict[str, Any] | bytes | None = None,
         idempotent: bool,
+        headers: Mapping[str, str] | None = None,
     ) -> aiohttp.ClientResponse:
         """``_request`` that returns once the head has arrived, body unread: the caller must
         ``release()`` or ``close()`` the response."""
         return await self._send(
-            method, path, json_body=json_body, idempotent=idempotent, stream=True
+            method, path, json_body=json_body, idempotent=idempotent, stream=True, headers=headers
         )
 
     @overload
@@ -412,6 +467,7 @@ class SGLangClient:
         idempotent: bool,
         read_timeout: float | None = ...,
         stream: Literal[False] = ...,
+        headers: Mapping[str, str] | None = ...,
     ) -> _Answer: ...
 
     @overload
@@ -424,6 +480,7 @@ class SGLangClient:
         idempotent: bool,
         read_timeout: float | None = ...,
         stream: Literal[True],
+        headers: Mapping[str, str] | None = ...,
     ) -> aiohttp.ClientResponse: ...
 
     async def _send(
@@ -435,20 +492,21 @@ class SGLangClient:
         idempotent: bool,
         read_timeout: float | None = None,
         stream: bool = False,
+        headers: Mapping[str, str] | None = None,
     ) -> _Answer | aiohttp.ClientResponse:
         where = self._where(method, path)
         url = self._url(path)
         budget = self.timeout if read_timeout is None else read_timeout
         timeout = self._timeout if read_timeout is None else self._client_timeout(read_timeout)
         data: bytes | None = None
-        headers = None
+        sent: Mapping[str, str] | None = headers
         if json_body is not None:
             data = (
                 json_body
                 if isinstance(json_body, bytes)
                 else json.dumps(json_body, ensure_ascii=False, separators=(",", ":")).encode()
             )
-            headers = _JSON_HEADERS
+            sent = _JSON_HEADERS if headers is None else {**_JSON_HEADERS, **headers}
         attempt = 0
         while True:
             session = self._get_session(where)
@@ -459,7 +517,7 @@ class SGLangClient:
                     method,
                     url,
                     data=data,
-                    headers=headers,
+                    headers=sent,
                     timeout=timeout,
                     allow_redirects=False,
                 )
@@ -796,13 +854,27 @@ def _error_message(raw: object) -> str | None:
     return None
 
 
-def _status_error(resp: _Answer, where: str) -> EngineStatusError:
-    """``EngineStatusError`` for a non-2xx answer, with the engine's message. ``resp``
+def _status_error(resp: _Answer, where: str) -> EngineError:
+    """``EngineStatusError`` for a non-2xx answer, with the engine's message; for a router's
+    own failure (its error ``code``), ``EngineNoWorker`` / ``EngineUnavailable``. ``resp``
     must have been read."""
     try:
-        message = _error_message(resp.json())
+        raw = resp.json()
     except ValueError:
-        message = None
+        raw = None
+    message = _error_message(raw)
+    error = raw.get("error") if isinstance(raw, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    if isinstance(code, str) and resp.status_code >= 500:
+        if code in _ROUTER_NO_WORKER:
+            return EngineNoWorker(
+                f"{where}: HTTP {resp.status_code}: the router has no healthy worker: {message}"
+            )
+        if code in _ROUTER_UPSTREAM_FAILED:
+            return EngineUnavailable(
+                f"{where}: HTTP {resp.status_code}: the router could not reach its worker: "
+                f"{message}"
+            )
     if message is None:
         message = resp.text.strip()[:_MESSAGE_MAX] or resp.reason_phrase
     return EngineStatusError(

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from corral.engines.errors import EngineError, EngineTimeout, EngineUnavailable
+from corral.engines.errors import EngineError, EngineNoWorker, EngineTimeout, EngineUnavailable
 
 ErrorKind = Literal[
     "invalid_request",
@@ -112,6 +112,12 @@ def engine_error(exc: EngineError) -> GatewayError:
     gateway's log line.
     """
     detail = str(exc)
+    if isinstance(exc, EngineNoWorker):
+        return GatewayError(
+            "engine_unavailable",
+            "the engine is unavailable: its router has no healthy worker",
+            detail=detail,
+        )
     if isinstance(exc, EngineUnavailable):
         return GatewayError("engine_unavailable", "the engine is unavailable", detail=detail)
     if isinstance(exc, EngineTimeout):

@@ -95,6 +95,9 @@ class PreparedTurn:
     # A stop string of the gateway's own (the end of a call), kept in the text, never reported
     # as the client's stop sequence.
     call_end: str | None = None
+    # Sent with every engine request of the turn (the session id): a router in front of
+    # several engines keeps a session on one (its KV/prefix cache stays warm).
+    routing_key: str | None = None
     id: str = field(default_factory=new_turn_id)
     created: int = field(default_factory=now_s)
 
@@ -219,6 +222,7 @@ class TurnPipeline:
             parse_tools=parse_tools,
             sampling=[],
             stops=[],
+            routing_key=session.id,
         )
 
     def prepare(self, session: Session, request: TurnRequest) -> PreparedTurn:
@@ -322,6 +326,7 @@ class TurnPipeline:
             return_logprob=True,
             top_logprobs_num=call.request.top_logprobs,
             rid=rid,
+            routing_key=call.routing_key,
         )
 
     def _rids(self, call: PreparedTurn) -> list[str]:
