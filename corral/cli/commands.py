@@ -66,7 +66,11 @@ def cmd_model_tiny(args: argparse.Namespace) -> int:
     from corral.engines.tiny_model import build_tiny_model
 
     out = build_tiny_model(
-        Path(args.out), template=args.template, seed=args.seed, imprint=not args.no_imprint
+        Path(args.out),
+        template=args.template,
+        seed=args.seed,
+        imprint=not args.no_imprint,
+        size=args.size,
     )
     print(out)
     return 0
@@ -103,6 +107,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     app = create_gateway(
         args.engine_url,
         model,
+        engine_api=args.engine_api,
         admin_token=admin_token,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
@@ -395,6 +400,12 @@ def _add_model(sub: Any) -> None:
     )
     tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     tiny.add_argument("--no-imprint", action="store_true", help="random weights only")
+    tiny.add_argument(
+        "--size",
+        choices=["tiny", "vllm"],
+        default="tiny",
+        help="vllm: hidden 128, 2 heads of dimension 64 (vLLM's CPU attention needs >= 32)",
+    )
     tiny.set_defaults(func=cmd_model_tiny)
 
 
@@ -558,6 +569,13 @@ def _add_gateway(sub: Any) -> None:
         "training tokens (GET /sessions/{id}/samples).",
     )
     gateway.add_argument("--engine-url", required=True, help="SGLang server, router or local")
+    gateway.add_argument(
+        "--engine-api",
+        choices=["sglang", "vllm"],
+        default="sglang",
+        help="the engine's API: SGLang's native one (SGLang, its router, corral engine) or "
+        "vLLM's token API (vLLM started with --enable-scale-out)",
+    )
     gateway.add_argument(
         "--model", required=True, help="local Hugging Face folder with the tokenizer + template"
     )

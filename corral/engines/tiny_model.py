@@ -8,7 +8,9 @@
   markers (``<tool_call>``, ``</tool_call>``, ``<tool_response>``, ``</tool_response>``,
   ``<think>``, ``</think>``), so that text splits the same at those markers whatever surrounds it;
 - one of the chat templates of ``corral.engines.chat_templates``;
-- random, seeded Qwen2 weights (hidden 64, 2 layers, tied embeddings; under 1 MB);
+- random, seeded Qwen2 weights (hidden 64, 2 layers, tied embeddings; under 1 MB); with
+  ``size="vllm"``, hidden 128 and 2 heads of dimension 64 instead, because vLLM's CPU attention
+  needs a head dimension of 32 or more (the default model's is 16);
 - with ``imprint=True`` (the default), a few seconds of next-token training on generated
   transcripts, loss on assistant tokens only, until greedy decoding follows the contract below
   on held-out transcripts with a safety margin on every token.
@@ -54,6 +56,7 @@ __all__ = [
     "TOOLS",
     "BuildProgress",
     "BuildStats",
+    "ModelSize",
     "build_tiny_model",
     "cached_tiny_model",
     "read_build_stats",
@@ -101,12 +104,25 @@ MARKER_TOKENS: Final = (
 )
 
 _VOCAB_SIZE: Final = 1536
-_HIDDEN: Final = 64
-_INTERMEDIATE: Final = 256
-_LAYERS: Final = 2
-_HEADS: Final = 4
-_KV_HEADS: Final = 2
 _MAX_POSITIONS: Final = 4096
+
+
+@dataclass(frozen=True)
+class _Shape:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+
+
+# "tiny": the default (head dimension 16). "vllm": the smallest shape vLLM's CPU attention
+# serves (it needs a head dimension of at least 32): 2 heads of 64, all of them key/value heads.
+ModelSize = Literal["tiny", "vllm"]
+_SHAPES: Final[dict[str, _Shape]] = {
+    "tiny": _Shape(hidden=64, intermediate=256, layers=2, heads=4, kv_heads=2),
+    "vllm": _Shape(hidden=128, intermediate=256, layers=2, heads=2, kv_heads=2),
+}
 
 _SYSTEM_PROMPTS: Final = (
     None,
@@ -163,6 +179,7 @@ def cached_tiny_model(
     imprint: bool = True,
     cache_dir: Path | None = None,
     progress: BuildProgress | None = None,
+    size: ModelSize = "tiny",
 ) -> Path:
     """The tiny model from a cache folder, built there first if absent.
 
@@ -182,16 +199,23 @@ def cached_tiny_model(
     digest = hashlib.sha256()
     for source in (Path(__file__), Path(chat_templates.__file__)):
         digest.update(source.read_bytes())
-    digest.update(f"{template}/{seed}/{imprint}".encode())
+    # The default size adds nothing to the key, which stays what it was before sizes existed.
+    digest.update(f"{template}/{seed}/{imprint}{'' if size == 'tiny' else '/' + size}".encode())
     root = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "corral" / "tiny"
-    target = root / f"{template}-{digest.hexdigest()[:16]}"
+    prefix = template if size == "tiny" else f"{template}-{size}"
+    target = root / f"{prefix}-{digest.hexdigest()[:16]}"
     if (target / BUILD_STATS_FILE).exists():
         return target
     root.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
     try:
         build_tiny_model(
-            scratch / "model", template=template, seed=seed, imprint=imprint, progress=progress
+            scratch / "model",
+            template=template,
+            seed=seed,
+            imprint=imprint,
+            progress=progress,
+            size=size,
         )
         try:
             (scratch / "model").rename(target)
@@ -210,6 +234,7 @@ def build_tiny_model(
     seed: int = 0,
     imprint: bool = True,
     progress: BuildProgress | None = None,
+    size: ModelSize = "tiny",
 ) -> Path:
     """Build the tiny chat model into folder ``out`` (created, files overwritten) and return it.
 
@@ -217,13 +242,17 @@ def build_tiny_model(
     whether answers start with a ``<think>`` block (``qwen3``). ``seed`` fixes the tokenizer
     corpus, the initial weights and the imprinting data. ``imprint=False`` leaves the weights
     random (a tokenizer-and-template-only model that babbles). ``progress`` hears of each
-    phase and imprinting step (:data:`BuildProgress`).
+    phase and imprinting step (:data:`BuildProgress`). ``size`` picks the shape: ``"tiny"``
+    (the default) or ``"vllm"`` (head dimension 64, which vLLM's CPU backend can serve).
     """
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     if template not in CHAT_TEMPLATES:
         raise ValueError(f"unknown template {template!r}; expected one of {sorted(CHAT_TEMPLATES)}")
+    if size not in _SHAPES:
+        raise ValueError(f"unknown size {size!r}; expected one of {sorted(_SHAPES)}")
+    shape = _SHAPES[size]
     started = time.perf_counter()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -236,11 +265,11 @@ def build_tiny_model(
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     config = Qwen2Config(
         vocab_size=len(tokenizer),
-        hidden_size=_HIDDEN,
-        intermediate_size=_INTERMEDIATE,
-        num_hidden_layers=_LAYERS,
-        num_attention_heads=_HEADS,
-        num_key_value_heads=_KV_HEADS,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
         max_position_embeddings=_MAX_POSITIONS,
         tie_word_embeddings=True,
         bos_token_id=ids["<|endoftext|>"],

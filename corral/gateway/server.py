@@ -11,7 +11,7 @@ import aiohttp
 from starlette.applications import Starlette
 from transformers import AutoConfig, AutoTokenizer
 
-from corral.engines.sglang import SGLangClient
+from corral.engines.client import EngineApi, make_engine_client
 from corral.gateway.app import build_gateway_app
 from corral.gateway.pipeline import TurnPipeline
 from corral.gateway.settings import GatewaySettings
@@ -37,10 +37,14 @@ def create_gateway(
     engine_url: str,
     model_path: str | Path,
     *,
+    engine_api: EngineApi = "sglang",
     settings: GatewaySettings | None = None,
     **overrides: Any,
 ) -> Starlette:
-    """A gateway in front of the SGLang-API engine at ``engine_url``.
+    """A gateway in front of the engine at ``engine_url``, which speaks ``engine_api``:
+    SGLang's native API (SGLang, its router, corral's local engine) or vLLM's token API (vLLM
+    started with ``--enable-scale-out``); both answer ``GET /health``, which the start-up
+    check asks.
 
     ``model_path`` is a Hugging Face folder: its tokenizer and chat template render prompts
     (the engine's weights may live elsewhere). ``settings`` defaults are filled from the
@@ -53,7 +57,7 @@ def create_gateway(
             max_context_tokens=model_context_length(model_path),
         )
     settings = replace(settings, **overrides)
-    engine = SGLangClient(engine_url, timeout=settings.engine_timeout_s)
+    engine = make_engine_client(engine_api, engine_url, timeout=settings.engine_timeout_s)
     pipeline = TurnPipeline(settings, engine, tokenizer)
 
     async def startup_check() -> None:

@@ -72,10 +72,14 @@ class EngineSettings(_Section):
     rollouts in flight need; weights then go through disk as below). Set: an SGLang engine (or
     several, comma-separated) that the gateway at ``gateway`` fronts; weights go through
     ``update_weights_from_disk`` from ``<run>/weights`` (a path the engines must be able to
-    read)."""
+    read). ``api`` is the API the engines at ``url`` speak: ``"sglang"`` (SGLang, its router,
+    corral's engine) or ``"vllm"`` (vLLM started with ``--enable-scale-out`` and
+    ``VLLM_SERVER_DEV_MODE=1``, its gateway with ``--engine-api vllm``; weights are reloaded
+    in place from the same folders, see ``corral.engines.vllm``)."""
 
     url: str | None = None
     gateway: str | None = None
+    api: Literal["sglang", "vllm"] = "sglang"
     admin_token_var: str | None = None
     # The local engine's decode batch (requests beyond it wait for a free slot); a step plays
     # groups_per_step x rollouts_per_row rollouts, up to rollout.concurrency at once.
@@ -88,6 +92,11 @@ class EngineSettings(_Section):
             raise ValueError("[engine] url and gateway go together (or neither: the local engine)")
         if self.processes and self.url is not None:
             raise ValueError("[engine] processes starts the local engine; it does not go with url")
+        if self.api != "sglang" and self.url is None:
+            raise ValueError(
+                f'[engine] api = "{self.api}" names the API of the engines at url; the local '
+                "engine speaks SGLang's"
+            )
         return self
 
     @property

@@ -6,7 +6,8 @@
 - the engine side: without ``[engine] url``, the local engine and a gateway in this process on
   127.0.0.1 (weights pushed in memory), or with ``[engine] processes`` in child processes
   (weights through disk, logs in ``<run>/logs``); with ``url``, the given gateway and SGLang
-  engines (weights through ``<run>/weights`` and ``update_weights_from_disk``);
+  engines (weights through ``<run>/weights`` and ``update_weights_from_disk``), or vLLM ones
+  with ``[engine] api = "vllm"`` (the same folders, reloaded in place);
 - the env side: without ``[env] url``, the bundle served in this process or, with
   ``[env] processes``, in a child process (episodes in ``[env] sandbox`` sandboxes); with it,
   that server. Either way the rows are written from the server's task API into ``<run>/rows``
@@ -118,7 +119,12 @@ def run_services(config: TrainConfig) -> Iterator[Services]:
             gateway = config.engine.gateway
             admin_token = _token(config.engine.admin_token_var, "[engine] admin_token_var")
             engines = [u.strip() for u in config.engine.url.split(",") if u.strip()]
-            weight_sync = DiskWeightSync(engines, config.run_dir / "weights", tokenizer_from=path)
+            weight_sync = DiskWeightSync(
+                engines,
+                config.run_dir / "weights",
+                tokenizer_from=path,
+                api=config.engine.api,
+            )
 
         env = config.env
         env_token = _token(env.token_var, "[env] token_var")

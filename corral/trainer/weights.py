@@ -3,8 +3,9 @@
 Two paths, one interface (:class:`WeightSync`):
 
 - :class:`DiskWeightSync`: save a Hugging Face folder and have every engine load it
-  (``update_weights_from_disk``: SGLang's API, and the local engine's). The folder is the
-  version's; older ones are deleted once a newer one is loaded everywhere.
+  (``update_weights_from_disk``: SGLang's API, and the local engine's; for vLLM, its in-place
+  reload, see :mod:`corral.engines.vllm`). The folder is the version's; older ones are deleted
+  once a newer one is loaded everywhere.
 - :class:`InProcessWeightSync`: the local engine in this process; the converted tensors are
   copied into its model between two of its steps (no disk, no new model).
 """
@@ -15,7 +16,7 @@ import asyncio
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from corral.engines.errors import EngineError
 
@@ -37,20 +38,28 @@ class WeightSync(Protocol):
 
 class DiskWeightSync:
     """Weights through ``<out_dir>/<version>`` and ``update_weights_from_disk``; the tokenizer
-    files are copied from ``tokenizer_from`` so each folder is a complete model."""
+    files are copied from ``tokenizer_from`` so each folder is a complete model. ``api`` is
+    the engines' API: SGLang's (and the local engine's) or vLLM's."""
 
     def __init__(
-        self, engines: Sequence[str], out_dir: Path, *, tokenizer_from: Path | None = None
+        self,
+        engines: Sequence[str],
+        out_dir: Path,
+        *,
+        tokenizer_from: Path | None = None,
+        api: Literal["sglang", "vllm"] = "sglang",
     ) -> None:
         if not engines:
             raise ValueError("no engine to push weights to")
         self.engines = list(engines)
+        self.api = api
         self.out_dir = out_dir
         self.tokenizer_from = tokenizer_from
         self._last: Path | None = None
 
     async def push(self, model: Any, spec: ModelSpec, version: str) -> None:
         from corral.engines.sglang import SGLangClient
+        from corral.engines.vllm import VLLMClient
         from corral.trainer.convert import save_hf_checkpoint
 
         path = await asyncio.to_thread(
@@ -60,11 +69,15 @@ class DiskWeightSync:
             self.out_dir / version,
             tokenizer_from=self.tokenizer_from,
         )
+        # Absolute: each engine resolves the folder on its own side (vLLM would take a
+        # relative path for a hub repo id).
+        folder = str(await asyncio.to_thread(Path(path).resolve))
 
         async def load(url: str) -> None:
             try:
-                async with SGLangClient(url) as engine:
-                    await engine.update_weights_from_disk(str(path), weight_version=version)
+                client = VLLMClient if self.api == "vllm" else SGLangClient
+                async with client(url) as engine:
+                    await engine.update_weights_from_disk(folder, weight_version=version)
             except EngineError as exc:
                 raise WeightSyncError(f"engine {url} did not load {path}: {exc}") from exc
 
