@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 from transformers import AutoTokenizer
 
+from corral.engines.client import EngineClient, make_engine_client
 from corral.engines.protocol import GenerateRequest, GenerateResponse, ModelInfo, SamplingParams
 from corral.engines.sglang import SGLangClient
 from corral.engines.stream import StreamDelta
@@ -44,7 +45,7 @@ class EngineCall:
 class RecordingEngine:
     """Wraps the real engine client and keeps every request's input and output tokens."""
 
-    def __init__(self, inner: SGLangClient) -> None:
+    def __init__(self, inner: EngineClient) -> None:
         self.inner = inner
         self.calls: list[EngineCall] = []
         self.aborted: list[str] = []
@@ -130,7 +131,7 @@ def gateway_stack(
         engine_timeout_s=timeout,
         **overrides,
     )
-    engine = RecordingEngine(SGLangClient(engine_url, timeout=timeout, retries=0))
+    engine = RecordingEngine(make_engine_client("sglang", engine_url, timeout=timeout, retries=0))
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     service = TurnPipeline(settings, engine, tokenizer)
     with serve(build_gateway_app(settings, engine, service)) as url:

@@ -568,7 +568,13 @@ def _add_gateway(sub: Any) -> None:
         description="OpenAI chat completions per session; every turn is recorded as exact "
         "training tokens (GET /sessions/{id}/samples).",
     )
-    gateway.add_argument("--engine-url", required=True, help="SGLang server, router or local")
+    gateway.add_argument(
+        "--engine-url",
+        required=True,
+        help="the engine: an SGLang server, a router in front of several, corral's local "
+        "engine, or vLLM (--engine-api vllm); several, comma-separated: each session goes to "
+        "one of them (rendezvous hashing of its id)",
+    )
     gateway.add_argument(
         "--engine-api",
         choices=["sglang", "vllm"],

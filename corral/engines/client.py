@@ -43,8 +43,27 @@ def make_engine_client(
 ) -> EngineClient:
     """The client of the engine at ``url`` that speaks ``api``: ``"sglang"`` (SGLang's native
     API: SGLang, its router, corral's local engine) or ``"vllm"`` (vLLM's token API, vLLM
-    started with ``--enable-scale-out``). The settings mean what ``SGLangClient``'s do; a bad
-    URL or setting raises ``ValueError``, an unknown ``api`` too."""
+    started with ``--enable-scale-out``). ``url`` may list several engines, comma-separated:
+    then each session goes to one of them
+    (:class:`~corral.engines.affinity.SessionAffineEngines`). The settings mean what
+    ``SGLangClient``'s do; a bad URL or setting raises ``ValueError``, an unknown ``api``
+    too."""
+    urls = engine_urls(url)
+    if len(urls) > 1:
+        from corral.engines.affinity import SessionAffineEngines
+
+        clients = [
+            make_engine_client(
+                api,
+                one,
+                timeout=timeout,
+                connect_timeout=connect_timeout,
+                max_connections=max_connections,
+                retries=retries,
+            )
+            for one in urls
+        ]
+        return SessionAffineEngines(clients, urls)
     # Imported here: each client module imports this one for the protocol.
     from corral.engines.sglang import SGLangClient
     from corral.engines.vllm import VLLMClient
@@ -57,9 +76,17 @@ def make_engine_client(
     else:
         raise ValueError(f"unknown engine API {api!r}; expected one of {list(ENGINE_APIS)}")
     return cls(
-        url,
+        urls[0],
         timeout=timeout,
         connect_timeout=connect_timeout,
         max_connections=max_connections,
         retries=retries,
     )
+
+
+def engine_urls(url: str) -> list[str]:
+    """The engine URLs in ``url`` (one, or several comma-separated); ``ValueError`` if none."""
+    urls = [one.strip() for one in url.split(",") if one.strip()]
+    if not urls:
+        raise ValueError(f"no engine URL in {url!r}")
+    return urls

@@ -11,7 +11,7 @@ import aiohttp
 from starlette.applications import Starlette
 from transformers import AutoConfig, AutoTokenizer
 
-from corral.engines.client import EngineApi, make_engine_client
+from corral.engines.client import EngineApi, engine_urls, make_engine_client
 from corral.gateway.app import build_gateway_app
 from corral.gateway.pipeline import TurnPipeline
 from corral.gateway.settings import GatewaySettings
@@ -41,7 +41,8 @@ def create_gateway(
     settings: GatewaySettings | None = None,
     **overrides: Any,
 ) -> Starlette:
-    """A gateway in front of the engine at ``engine_url``, which speaks ``engine_api``:
+    """A gateway in front of the engine at ``engine_url`` (or the engines it lists,
+    comma-separated: each session on one of them), which speaks ``engine_api``:
     SGLang's native API (SGLang, its router, corral's local engine) or vLLM's token API (vLLM
     started with ``--enable-scale-out``); both answer ``GET /health``, which the start-up
     check asks.
@@ -61,9 +62,10 @@ def create_gateway(
     pipeline = TurnPipeline(settings, engine, tokenizer)
 
     async def startup_check() -> None:
-        await check_engine(
-            engine_url, timeout_s=min(settings.engine_timeout_s, HEALTH_CHECK_TIMEOUT_S)
-        )
+        for url in engine_urls(engine_url):
+            await check_engine(
+                url, timeout_s=min(settings.engine_timeout_s, HEALTH_CHECK_TIMEOUT_S)
+            )
 
     return build_gateway_app(settings, engine, pipeline, startup_check=startup_check)
 

@@ -65,6 +65,7 @@ def _token(var: str | None, what: str) -> str | None:
 def run_services(config: TrainConfig) -> Iterator[Services]:
     """Start or find the run's services (module docstring). ServicesError for a missing token
     or a split without rows; the env server's and the engines' own errors propagate."""
+    from corral.engines.client import engine_urls
     from corral.envs.server import DEFAULT_MAX_CONCURRENT_ENVS, build_app
     from corral.processes import serve_in_process
     from corral.serving import serve_in_thread
@@ -118,9 +119,10 @@ def run_services(config: TrainConfig) -> Iterator[Services]:
             assert config.engine.gateway is not None  # the config checks both or neither
             gateway = config.engine.gateway
             admin_token = _token(config.engine.admin_token_var, "[engine] admin_token_var")
-            engines = [u.strip() for u in config.engine.url.split(",") if u.strip()]
+            # Every engine behind the gateway gets the weights (the gateway's own list, or the
+            # workers behind its router).
             weight_sync = DiskWeightSync(
-                engines,
+                engine_urls(config.engine.url),
                 config.run_dir / "weights",
                 tokenizer_from=path,
                 api=config.engine.api,
