@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from transformers import AutoTokenizer
 
 from corral.engines.client import EngineClient, make_engine_client
@@ -118,6 +119,31 @@ class Stack(Admin):
     engine: RecordingEngine
     engine_url: str
     tokenizer: Any
+
+
+def check_exact_sample(stack: Stack, session_id: str, turns: int) -> dict[str, Any]:
+    """The session holds one sample whose tokens are the engine's last input + output, whose
+    mask is 1 exactly on tokens the engine produced, and whose logprobs are the engine's."""
+    calls = stack.engine.calls[-turns:]
+    samples = stack.samples(session_id)
+    assert len(samples) == 1, stack.view(session_id)["drift"]
+    sample = samples[0]
+    last = calls[-1]
+    assert sample["tokens"] == last.input_ids + last.output_ids
+    prompt_len = len(calls[0].input_ids)
+    assert sample["response_length"] == len(sample["tokens"]) - prompt_len
+    expected_mask = [0] * len(sample["tokens"])
+    expected_lp = [0.0] * len(sample["tokens"])
+    for call in calls:
+        start = len(call.input_ids)
+        assert sample["tokens"][: start + len(call.output_ids)] == call.input_ids + call.output_ids
+        for k, lp in enumerate(call.logprobs):
+            expected_mask[start + k] = 1
+            expected_lp[start + k] = lp
+    assert sample["loss_mask"] == expected_mask[prompt_len:]
+    assert sample["rollout_log_probs"] == pytest.approx(expected_lp[prompt_len:], abs=1e-6)
+    assert sample["metadata"]["num_turns"] == turns
+    return dict(sample)
 
 
 @contextmanager

@@ -20,9 +20,9 @@ import pytest
 from corral.engines.affinity import SessionAffineEngines, rendezvous_order
 from corral.engines.client import engine_urls, make_engine_client
 from corral.processes import serve_in_process
-from tests.gateway_stack import gateway_stack
+from tests.gateway_stack import check_exact_sample, gateway_stack
 from tests.servers import free_port
-from tests.test_routers import check_exact_sample, counts, tool_session
+from tests.test_routers import counts, sessions_stick_and_spread, tool_session
 
 
 def test_rendezvous_order_is_stable_spreads_and_moves_only_what_it_must() -> None:
@@ -66,19 +66,8 @@ def engines(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 def test_each_session_sticks_to_one_engine_and_sessions_spread(
     engines: list[str], tiny_model_dir: Path
 ) -> None:
-    turns = 2
     with gateway_stack(tiny_model_dir, ",".join(engines)) as stack:
-        used: list[int] = []
-        # Until both engines had a session (random session ids: 12 on one engine is 1 in 2**11).
-        while len(used) < 4 or len(set(used)) < 2:
-            assert len(used) < 12, f"every session went to engine {used[0]}"
-            before = [counts(e) for e in engines]
-            session_id = tool_session(stack)
-            after = [counts(e) for e in engines]
-            served = [a.requests - b.requests for a, b in zip(after, before, strict=True)]
-            assert sorted(served) == [0, turns], f"turns per engine: {served}"
-            used.append(served.index(turns))
-            check_exact_sample(stack, session_id, turns)
+        sessions_stick_and_spread(stack, engines)
 
 
 def test_an_unreachable_engine_moves_its_sessions_to_the_next(

@@ -20,7 +20,7 @@ from fastapi import FastAPI
 from corral.engines.local.engine import LocalEngine
 from corral.engines.local.server import build_engine_app
 from corral.engines.tiny_model import TOOLS
-from tests.gateway_stack import AUTH, Stack, gateway_stack
+from tests.gateway_stack import AUTH, Stack, check_exact_sample, gateway_stack
 from tests.servers import free_port, serve
 
 
@@ -44,31 +44,6 @@ def _tool_results(message: dict[str, Any]) -> list[dict[str, Any]]:
         }
         for call in message["tool_calls"]
     ]
-
-
-def _check_one_exact_sample(stack: Stack, session_id: str, turns: int) -> dict[str, Any]:
-    """The session holds one sample whose tokens are the engine's last input + output, whose
-    mask is 1 exactly on tokens the engine produced, and whose logprobs are the engine's."""
-    calls = stack.engine.calls[-turns:]
-    samples = stack.samples(session_id)
-    assert len(samples) == 1, stack.view(session_id)["drift"]
-    sample = samples[0]
-    last = calls[-1]
-    assert sample["tokens"] == last.input_ids + last.output_ids
-    prompt_len = len(calls[0].input_ids)
-    assert sample["response_length"] == len(sample["tokens"]) - prompt_len
-    expected_mask = [0] * len(sample["tokens"])
-    expected_lp = [0.0] * len(sample["tokens"])
-    for call in calls:
-        start = len(call.input_ids)
-        assert sample["tokens"][: start + len(call.output_ids)] == call.input_ids + call.output_ids
-        for k, lp in enumerate(call.logprobs):
-            expected_mask[start + k] = 1
-            expected_lp[start + k] = lp
-    assert sample["loss_mask"] == expected_mask[prompt_len:]
-    assert sample["rollout_log_probs"] == pytest.approx(expected_lp[prompt_len:], abs=1e-6)
-    assert sample["metadata"]["num_turns"] == turns
-    return dict(sample)
 
 
 # -- the SDK drives multi-turn tool-calling conversations -------------------------------------
@@ -119,7 +94,7 @@ def test_sync_sdk_multi_turn_tool_calls_yield_one_exact_sample(stack: Stack) -> 
     )  # type: ignore[arg-type]
     assert third.choices[0].message.content == "Hello!"
 
-    sample = _check_one_exact_sample(stack, s["id"], turns=3)
+    sample = check_exact_sample(stack, s["id"], turns=3)
     assert sample["status"] == "completed"
     assert sample["rollout_id"] == s["id"]
     assert sample["metadata"]["task"] == "weather"
@@ -183,7 +158,7 @@ async def test_async_sdk_streaming_multi_turn_yields_one_exact_sample(stack: Sta
             assert finish == "stop"
             assert "Lima" in content
     await client.close()
-    _check_one_exact_sample(stack, s["id"], turns=2)
+    check_exact_sample(stack, s["id"], turns=2)
 
 
 def test_streamed_and_plain_answers_agree(stack: Stack) -> None:

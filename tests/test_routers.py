@@ -39,7 +39,7 @@ from corral.engines.protocol import GenerateRequest, SamplingParams
 from corral.engines.sglang import SGLangClient
 from corral.engines.tiny_model import TOOLS
 from corral.processes import serve_in_process
-from tests.gateway_stack import Stack, gateway_stack
+from tests.gateway_stack import Stack, check_exact_sample, gateway_stack
 from tests.servers import free_port, serve
 
 DEFAULT_VENV = Path("/var/cache/corral-routers")
@@ -180,54 +180,37 @@ def tool_session(stack: Stack) -> str:
     return str(s["id"])
 
 
-def check_exact_sample(stack: Stack, session_id: str, turns: int) -> None:
-    """One sample: tokens are the last engine call's input + output; the mask is 1 exactly on
-    generated tokens; logprobs are the engine's."""
-    calls = stack.engine.calls[-turns:]
-    (sample,) = stack.samples(session_id)
-    assert sample["tokens"] == calls[-1].input_ids + calls[-1].output_ids
-    prompt_len = len(calls[0].input_ids)
-    mask = [0] * len(sample["tokens"])
-    logprobs = [0.0] * len(sample["tokens"])
-    for call in calls:
-        start = len(call.input_ids)
-        assert sample["tokens"][: start + len(call.output_ids)] == call.input_ids + call.output_ids
-        for k, lp in enumerate(call.logprobs):
-            mask[start + k] = 1
-            logprobs[start + k] = lp
-    assert sample["loss_mask"] == mask[prompt_len:]
-    assert sample["rollout_log_probs"] == pytest.approx(logprobs[prompt_len:], abs=1e-6)
+def sessions_stick_and_spread(stack: Stack, engines: list[str], turns: int = 2) -> None:
+    """Play tool sessions through ``stack`` until both ``engines`` had one (at least 4): every
+    turn of a session must land on one engine, counted on the engines' side, that engine must
+    have run exactly the tokens the gateway sent and got, and each sample must be exact. With
+    random session ids, 16 sessions all on one engine happens once in 2**15 runs."""
+    used: list[int] = []
+    while len(used) < 4 or len(set(used)) < 2:
+        assert len(used) < 16, f"every session went to engine {used[0]}"
+        before = [counts(e) for e in engines]
+        session_id = tool_session(stack)
+        after = [counts(e) for e in engines]
+        served = [a.requests - b.requests for a, b in zip(after, before, strict=True)]
+        assert sorted(served) == [0, turns], f"turns per engine: {served}"
+        engine = served.index(turns)
+        used.append(engine)
+        calls = stack.engine.calls[-turns:]
+        b, a = before[engine], after[engine]
+        assert a.prompt_tokens - b.prompt_tokens == sum(len(c.input_ids) for c in calls)
+        assert a.completion_tokens - b.completion_tokens == sum(len(c.output_ids) for c in calls)
+        check_exact_sample(stack, session_id, turns)
 
 
 @pytest.mark.parametrize(("name", "policy"), ROUTERS, ids=[n for n, _ in ROUTERS])
 def test_sessions_are_token_exact_and_stick_to_one_engine(
     name: str, policy: str, engines: list[str], tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    turns = 2
     with (
         router(name, policy, engines, tmp_path / "router.log") as url,
         gateway_stack(tiny_model_dir, url) as stack,
     ):
-        used: list[int] = []
-        # Until both engines have had a session (at least 4 sessions): with random session
-        # ids, 16 all on one engine happens once in 2**15 runs.
-        while len(used) < 4 or len(set(used)) < 2:
-            assert len(used) < 16, f"every session went to engine {used[0]}"
-            before = [counts(e) for e in engines]
-            session_id = tool_session(stack)
-            after = [counts(e) for e in engines]
-            served = [a.requests - b.requests for a, b in zip(after, before, strict=True)]
-            assert sorted(served) == [0, turns], f"turns per engine: {served}"
-            engine = served.index(turns)
-            used.append(engine)
-            # What the gateway sent and got through the router is what that engine ran.
-            calls = stack.engine.calls[-turns:]
-            b, a = before[engine], after[engine]
-            assert a.prompt_tokens - b.prompt_tokens == sum(len(c.input_ids) for c in calls)
-            assert a.completion_tokens - b.completion_tokens == sum(
-                len(c.output_ids) for c in calls
-            )
-            check_exact_sample(stack, session_id, turns)
+        sessions_stick_and_spread(stack, engines)
 
 
 async def generate_once(url: str, req: GenerateRequest) -> None:

@@ -39,7 +39,7 @@ from corral.gateway.pipeline import TurnPipeline
 from corral.gateway.server import create_gateway, model_context_length
 from corral.gateway.settings import GatewaySettings
 from corral.processes import serve_in_process
-from tests.gateway_stack import ADMIN, AUTH, RecordingEngine, Stack
+from tests.gateway_stack import ADMIN, AUTH, RecordingEngine, Stack, check_exact_sample
 from tests.servers import free_port, serve
 
 _DEFAULT_VENV = Path("/var/cache/corral-vllm")
@@ -207,30 +207,6 @@ def stack(vllm: VLLM) -> Iterator[Stack]:
         yield Stack(url=url, engine=engine, engine_url=vllm.url, tokenizer=tokenizer)
 
 
-def _check_exact_sample(stack: Stack, session_id: str, turns: int) -> dict[str, Any]:
-    """The session's one sample is the engine's last input + output, masked 1 exactly on the
-    tokens vLLM produced, with vLLM's logprobs (as tests/test_gateway.py checks it)."""
-    calls = stack.engine.calls[-turns:]
-    samples = stack.samples(session_id)
-    assert len(samples) == 1, stack.view(session_id)["drift"]
-    sample = samples[0]
-    last = calls[-1]
-    assert sample["tokens"] == last.input_ids + last.output_ids
-    prompt_len = len(calls[0].input_ids)
-    mask = [0] * len(sample["tokens"])
-    logprobs = [0.0] * len(sample["tokens"])
-    for call in calls:
-        start = len(call.input_ids)
-        assert sample["tokens"][: start + len(call.output_ids)] == call.input_ids + call.output_ids
-        for k, lp in enumerate(call.logprobs):
-            mask[start + k] = 1
-            logprobs[start + k] = lp
-    assert sample["loss_mask"] == mask[prompt_len:]
-    assert sample["rollout_log_probs"] == pytest.approx(logprobs[prompt_len:], abs=1e-6)
-    assert sample["metadata"]["num_turns"] == turns
-    return dict(sample)
-
-
 def _check_against_vllm(vllm: VLLM, stack: Stack, turns: int) -> None:
     """Each recorded turn, replayed on vLLM directly (same prompt ids, greedy), gives the
     same tokens and the same logprobs as the gateway recorded."""
@@ -297,7 +273,7 @@ def test_multi_turn_tool_session_is_token_exact(vllm: VLLM, stack: Stack) -> Non
     )
     assert third.choices[0].message.content == "Hello!"
 
-    sample = _check_exact_sample(stack, s["id"], turns=3)
+    sample = check_exact_sample(stack, s["id"], turns=3)
     assert sample["status"] == "completed"
     assert sample["metadata"]["weight_versions"] == ["default"] * 3
     _check_against_vllm(vllm, stack, turns=3)
@@ -350,7 +326,7 @@ async def test_streamed_session_is_token_exact(vllm: VLLM, stack: Stack) -> None
         else:
             assert finish == "stop" and content.startswith("I have checked the weather")
     await client.close()
-    _check_exact_sample(stack, s["id"], turns=2)
+    check_exact_sample(stack, s["id"], turns=2)
     _check_against_vllm(vllm, stack, turns=2)
 
 

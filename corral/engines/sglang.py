@@ -792,18 +792,19 @@ def _parse_chunk(data: str, where: str, status_code: int) -> GenerateResponse:
 # --- parsing ----------------------------------------------------------------------------
 
 
-def _parse(resp: _Answer, model: type[_M], where: str) -> _M:
-    """The body of ``resp`` as ``model``; ``EngineProtocolError`` saying what is wrong."""
+def _parse(resp: _Answer, model: type[_M], where: str, *, api: str = "SGLang") -> _M:
+    """The body of ``resp`` as ``model`` (a type of ``api``'s, for the message);
+    ``EngineProtocolError`` saying what is wrong."""
     try:
         raw = resp.json()
     except ValueError:
         raise EngineProtocolError(
             f"{where}: HTTP {resp.status_code} answer is not JSON: {resp.text[:200]!r}"
         ) from None
-    return _validate(raw, model, where, what="answer")
+    return _validate(raw, model, where, what="answer", api=api)
 
 
-def _validate(raw: object, model: type[_M], where: str, *, what: str) -> _M:
+def _validate(raw: object, model: type[_M], where: str, *, what: str, api: str = "SGLang") -> _M:
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
@@ -812,7 +813,7 @@ def _validate(raw: object, model: type[_M], where: str, *, what: str) -> _M:
             for e in exc.errors()[:5]
         )
         raise EngineProtocolError(
-            f"{where}: {what} is not SGLang's {model.__name__}: {problems}"
+            f"{where}: {what} is not {api}'s {model.__name__}: {problems}"
         ) from None
 
 

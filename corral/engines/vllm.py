@@ -41,7 +41,7 @@ from contextlib import aclosing
 from typing import Any, Literal, TypeVar
 
 import aiohttp
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from corral.engines.errors import EngineError, EngineProtocolError, EngineTimeout, EngineUnavailable
 from corral.engines.protocol import (
@@ -63,6 +63,8 @@ from corral.engines.sglang import (
     _error_message,
     _status_error,
 )
+from corral.engines.sglang import _parse as sglang_parse
+from corral.engines.sglang import _validate as sglang_validate
 from corral.engines.stream import StreamDelta
 
 __all__ = ["VLLMClient", "vllm_request_id", "vllm_sampling_params"]
@@ -335,26 +337,11 @@ def _last_version(choice: VLLMChoice) -> str | None:
 
 
 def _parse(resp: _Answer, model: type[_M], where: str) -> _M:
-    try:
-        raw = resp.json()
-    except ValueError:
-        raise EngineProtocolError(
-            f"{where}: HTTP {resp.status_code} answer is not JSON: {resp.text[:200]!r}"
-        ) from None
-    return _validate(raw, model, where, what="answer")
+    return sglang_parse(resp, model, where, api="vLLM")
 
 
 def _validate(raw: object, model: type[_M], where: str, *, what: str) -> _M:
-    try:
-        return model.model_validate(raw)
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}"
-            for e in exc.errors()[:5]
-        )
-        raise EngineProtocolError(
-            f"{where}: {what} is not vLLM's {model.__name__}: {problems}"
-        ) from None
+    return sglang_validate(raw, model, where, what=what, api="vLLM")
 
 
 def _one_choice(out: VLLMGenerateResponse, where: str) -> VLLMChoice:
