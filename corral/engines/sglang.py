@@ -32,7 +32,7 @@ import asyncio
 import json
 import logging
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from contextlib import aclosing, suppress
 from types import TracebackType
 from typing import Any, Literal, Self, TypeVar, overload
@@ -230,7 +230,7 @@ class SGLangClient:
                 raise _status_error(answer, where)
             tracker = _DeltaTracker(req, where)
             done = False
-            async with aclosing(_sse_data(resp, where, tracker)) as events:
+            async with aclosing(_sse_data(resp, where, tracker.progress)) as events:
                 async for data in events:
                     if data == "[DONE]":
                         done = True
@@ -648,6 +648,10 @@ class _DeltaTracker:
     agrees on the first chunk; any other length raises ``EngineProtocolError``.
     """
 
+    def progress(self) -> str:
+        """How far the stream got, for an error message."""
+        return f" after {self.seen_tokens} tokens"
+
     def __init__(self, req: GenerateRequest, where: str) -> None:
         self._want_logprobs = req.return_logprob
         self._want_top = req.return_logprob and req.top_logprobs_num > 0
@@ -702,9 +706,11 @@ class _DeltaTracker:
 
 
 async def _sse_data(
-    resp: aiohttp.ClientResponse, where: str, tracker: _DeltaTracker
+    resp: aiohttp.ClientResponse, where: str, progress: Callable[[], str] = lambda: ""
 ) -> AsyncGenerator[str, None]:
-    """Yield the ``data`` of each server-sent event of ``resp``.
+    """Yield the ``data`` of each server-sent event of ``resp``; read errors raised as
+    ``EngineTimeout`` / ``EngineUnavailable``, their message ending with ``progress()`` (how
+    far the stream got, e.g. " after 12 tokens").
 
     Events end at a blank line; several ``data:`` lines of one event are joined with
     newlines (the SSE rule); comments and other fields are skipped. An event left open at
@@ -726,13 +732,11 @@ async def _sse_data(
             yield "\n".join(lines)
     except TimeoutError as exc:  # aiohttp's read timeouts are TimeoutErrors too
         raise EngineTimeout(
-            f"{where}: no stream chunk within the read timeout after {tracker.seen_tokens} "
-            f"tokens: {_describe(exc)}"
+            f"{where}: no stream chunk within the read timeout{progress()}: {_describe(exc)}"
         ) from exc
     except (aiohttp.ClientError, OSError) as exc:
         raise EngineUnavailable(
-            f"{where}: connection lost mid-stream after {tracker.seen_tokens} tokens: "
-            f"{_describe(exc)}"
+            f"{where}: connection lost mid-stream{progress()}: {_describe(exc)}"
         ) from exc
 
 

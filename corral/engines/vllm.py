@@ -40,10 +40,9 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any, Literal, TypeVar
 
-import aiohttp
 from pydantic import BaseModel, ConfigDict, Field
 
-from corral.engines.errors import EngineError, EngineProtocolError, EngineTimeout, EngineUnavailable
+from corral.engines.errors import EngineError, EngineProtocolError
 from corral.engines.protocol import (
     FinishReason,
     GenerateRequest,
@@ -58,9 +57,8 @@ from corral.engines.sglang import (
     EngineStatusError,
     SGLangClient,
     _Answer,
-    _body_lines,
-    _describe,
     _error_message,
+    _sse_data,
     _status_error,
 )
 from corral.engines.sglang import _parse as sglang_parse
@@ -418,7 +416,7 @@ class VLLMClient(SGLangClient):
             finished = False
             done = False
             version = self._version
-            async with aclosing(self._events(resp, where)) as events:
+            async with aclosing(_sse_data(resp, where)) as events:
                 async for data in events:
                     if data == "[DONE]":
                         done = True
@@ -462,31 +460,6 @@ class VLLMClient(SGLangClient):
             else:
                 # Dropping the connection is how vLLM learns nobody listens any more.
                 resp.close()
-
-    async def _events(self, resp: aiohttp.ClientResponse, where: str) -> AsyncGenerator[str, None]:
-        """The ``data`` of each server-sent event (vLLM sends one ``data:`` line per event),
-        read errors mapped as the SGLang client maps them."""
-        lines: list[str] = []
-        try:
-            async for line in _body_lines(resp.content, where):
-                if not line:
-                    if lines:
-                        yield "\n".join(lines)
-                        lines = []
-                    continue
-                if line.startswith(b"data:"):
-                    value = line[6:] if line.startswith(b"data: ") else line[5:]
-                    lines.append(value.decode("utf-8", errors="replace"))
-            if lines:
-                yield "\n".join(lines)
-        except TimeoutError as exc:
-            raise EngineTimeout(
-                f"{where}: no stream chunk within the read timeout: {_describe(exc)}"
-            ) from exc
-        except (aiohttp.ClientError, OSError) as exc:
-            raise EngineUnavailable(
-                f"{where}: connection lost mid-stream: {_describe(exc)}"
-            ) from exc
 
     # --- control ----------------------------------------------------------------------
 
