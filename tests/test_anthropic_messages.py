@@ -50,9 +50,8 @@ from corral.gateway.turns import (
     Usage,
     result_events,
 )
-from tests.gateway_stack import ADMIN, Stack, gateway_stack
+from tests.gateway_stack import ADMIN, Stack, check_exact_sample, gateway_stack
 from tests.servers import serve
-from tests.test_gateway import _check_one_exact_sample
 
 FIXTURES = Path(__file__).parent / "fixtures" / "agent_requests"
 
@@ -163,7 +162,7 @@ def test_sdk_multi_turn_tool_conversation_yields_one_exact_sample(stack: Stack) 
     )
     assert third.stop_reason == "end_turn" and _text(third)
 
-    sample = _check_one_exact_sample(stack, s["id"], turns=3)
+    sample = check_exact_sample(stack, s["id"], turns=3)
     assert sample["metadata"]["task"] == "weather"
     assert sample["metadata"]["label"] is None
     view = stack.view(s["id"])

@@ -51,9 +51,8 @@ from corral.gateway.turns import (
     Usage,
     result_events,
 )
-from tests.gateway_stack import Stack, gateway_stack
+from tests.gateway_stack import Stack, check_exact_sample, gateway_stack
 from tests.servers import serve
-from tests.test_gateway import _check_one_exact_sample
 
 FIXTURES = Path(__file__).parent / "fixtures" / "agent_requests"
 
@@ -157,7 +156,7 @@ def test_create_multi_turn_with_items_passed_back_yields_one_exact_sample(stack:
     )
     assert third.output_text
 
-    sample = _check_one_exact_sample(stack, s["id"], turns=3)
+    sample = check_exact_sample(stack, s["id"], turns=3)
     assert sample["status"] == "completed"
     view = stack.view(s["id"])
     assert view["drift"]["forks"] == 0 and view["drift"]["merges"] == 2
@@ -214,7 +213,7 @@ def test_stream_with_previous_response_id_yields_one_exact_sample(stack: Stack) 
         temperature=0,
     )
     assert third.output_text
-    _check_one_exact_sample(stack, s["id"], turns=3)
+    check_exact_sample(stack, s["id"], turns=3)
     prompt = _prompt(stack)
     assert prompt.count("What is the weather in Tokyo?") == 1
     assert "<tool_response>" in prompt and prompt.rstrip().endswith("assistant")
@@ -277,7 +276,7 @@ async def test_agents_sdk_runs_a_tool_turn_to_a_final_output(stack: Stack) -> No
     result = await Runner.run(_weather_agent(s, seen), "What is the weather in Paris?")
     assert len(seen) == 1  # the model called the tool, the SDK ran it
     assert isinstance(result.final_output, str) and result.final_output.strip()
-    _check_one_exact_sample(stack, s["id"], turns=2)
+    check_exact_sample(stack, s["id"], turns=2)
 
 
 async def test_agents_sdk_streamed_run(stack: Stack) -> None:
@@ -291,7 +290,7 @@ async def test_agents_sdk_streamed_run(stack: Stack) -> None:
     assert "raw_response_event" in kinds
     assert len(seen) == 1
     assert isinstance(run.final_output, str) and run.final_output.strip()
-    _check_one_exact_sample(stack, s["id"], turns=2)
+    check_exact_sample(stack, s["id"], turns=2)
 
 
 # -- tools ----------------------------------------------------------------------------------------
