@@ -380,12 +380,9 @@ def test_json_schema_goes_to_vllms_structured_outputs(stack: Stack) -> None:
     assert sent is not None and sent.json_schema is not None
 
 
-def test_disconnect_mid_stream_aborts_the_vllm_request(vllm: VLLM, tmp_path: Path) -> None:
-    """Through ``corral gateway --engine-api vllm`` (the CLI, a child process): a client that
-    leaves mid-stream makes the gateway abort the request, which vLLM logs as aborted, and it
-    stops running there long before its 3000 tokens."""
-    env = {"CORRAL_TEST_ADMIN": ADMIN}
-    argv = [
+def _gateway_argv(vllm: VLLM) -> list[str]:
+    """``corral gateway`` in front of ``vllm``, its admin token in ``CORRAL_TEST_ADMIN``."""
+    return [
         "gateway",
         "--engine-url",
         vllm.url,
@@ -396,6 +393,14 @@ def test_disconnect_mid_stream_aborts_the_vllm_request(vllm: VLLM, tmp_path: Pat
         "--admin-token-var",
         "CORRAL_TEST_ADMIN",
     ]
+
+
+def test_disconnect_mid_stream_aborts_the_vllm_request(vllm: VLLM, tmp_path: Path) -> None:
+    """Through ``corral gateway --engine-api vllm`` (the CLI, a child process): a client that
+    leaves mid-stream makes the gateway abort the request, which vLLM logs as aborted, and it
+    stops running there long before its 3000 tokens."""
+    env = {"CORRAL_TEST_ADMIN": ADMIN}
+    argv = _gateway_argv(vllm)
     lengths_before = vllm.metric("vllm:request_success_total", finished_reason="length")
     with serve_in_process(argv, log=tmp_path / "gateway.log", env=env) as gateway:
         r = httpx.post(f"{gateway}/sessions", headers=AUTH, json={})
@@ -622,17 +627,7 @@ def test_train_two_steps_and_eval_with_vllm_as_the_engine(vllm: VLLM, tmp_path: 
     gateway."""
     pytest.importorskip("megatron.core", reason="pip install 'corral[train]'")
     env = {**os.environ, "CORRAL_TEST_ADMIN": ADMIN}
-    argv = [
-        "gateway",
-        "--engine-url",
-        vllm.url,
-        "--engine-api",
-        "vllm",
-        "--model",
-        str(vllm.model),
-        "--admin-token-var",
-        "CORRAL_TEST_ADMIN",
-    ]
+    argv = _gateway_argv(vllm)
     run = tmp_path / "run"
     config = tmp_path / "train.toml"
     try:
