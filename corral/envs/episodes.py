@@ -1,0 +1,426 @@
+"""Episodes and their manager: the env server's logic, apart from HTTP and WebSocket.
+
+:class:`Episode` is one env's life (reset, tool calls, turns, grading); :class:`EpisodeManager`
+holds every live episode of a server (capacity, idle reaping, shutdown). Both are plain classes
+that tests drive directly; :mod:`corral.envs.session` turns socket messages into their calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from corral.envs.bundle import Bundle, RewardError, TaskNotFound, VerifierError
+from corral.envs.episode import END_TURN_TOOL, Task
+from corral.envs.hosting import (
+    EnvFailure,
+    EnvHandle,
+    EnvHost,
+    InProcessHost,
+)
+from corral.envs.protocol import (
+    CallTool,
+    EpisodeObservation,
+    ErrorCode,
+    ObservationData,
+    ResetData,
+)
+
+END_TURN_SCHEMA: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": END_TURN_TOOL,
+        "description": "End your turn, with your answer for this turn.",
+        "parameters": {
+            "type": "object",
+            "properties": {"answer": {"type": "string", "description": "Your answer."}},
+        },
+    },
+}
+# WebSocket close code on shutdown (RFC 6455: going away).
+GOING_AWAY = 1001
+SHUTDOWN_REASON = "the env server is shutting down; the episode is over"
+
+
+# Episodes a server keeps alive at once unless told otherwise.
+DEFAULT_MAX_CONCURRENT_ENVS = 64
+
+
+class ServerError(Exception):
+    """A request the server refuses: becomes an ``error`` reply with ``code`` and ``extra``."""
+
+    def __init__(self, code: ErrorCode, message: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.code = code
+        self.extra = extra
+
+
+# Combines the verifier's named scores into the episode's reward (``build_app(reward=...)``
+# overrides the bundle's ``[reward]``); whatever it raises flags the episode, never a 0.
+RewardFn = Callable[[dict[str, float]], float]
+
+
+def task_tools(bundle: Bundle, task: Task) -> list[dict[str, Any]]:
+    """The task's tools in OpenAI's schema, ``end_turn`` last (the server provides it)."""
+    return [t.openai() for t in bundle.tools_for(task)] + [END_TURN_SCHEMA]
+
+
+class Metrics:
+    """The server's Prometheus metrics, in a registry of its own (one per app, no globals)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.active = Gauge("corral_env_active_episodes", "Live episodes", registry=self.registry)
+        self.waiting = Gauge(
+            "corral_env_waiting_resets", "Resets waiting for capacity", registry=self.registry
+        )
+        self.episodes = Counter(
+            "corral_env_episodes", "Episodes ended, by how", ["status"], registry=self.registry
+        )
+        self.steps = Counter("corral_env_steps", "Tool calls", ["outcome"], registry=self.registry)
+        self.step_seconds = Histogram(
+            "corral_env_step_seconds", "Tool call latency in the server", registry=self.registry
+        )
+
+
+class Episode:
+    """One env playing one task. Not thread-safe: one socket drives it, one message at a time.
+
+    ``step`` never raises for the model's mistakes (bad arguments, an unknown tool): those are
+    tool-error observations and the episode goes on. It raises :class:`ServerError` for a step
+    after the end (``EPISODE_DONE``), an env that raised (``EXECUTION_ERROR``) or overran the
+    tool timeout (``TOOL_TIMEOUT``); the last two end the episode.
+    """
+
+    def __init__(
+        self,
+        episode_id: str,
+        bundle: Bundle,
+        task: Task,
+        env: EnvHandle,
+        reward: RewardFn | None = None,
+    ) -> None:
+        self.reward_fn: RewardFn = reward or bundle.reward
+        self.id = episode_id
+        self.bundle = bundle
+        self.task = task
+        self.env = env
+        self.tools = task_tools(bundle, task)
+        self._tool_names = {t["function"]["name"] for t in self.tools}
+        self.turn = 0
+        self.steps = 0
+        self.done = False
+        self.status = "running"
+        self.last_active = time.monotonic()
+        self.busy = False  # a step in flight: the reaper leaves the episode alone
+        self.closed_as: str | None = None  # set by the manager: "reaped", "shutdown", ...
+        self.final_state: dict[str, Any] | None = None  # read at the end, before the env goes
+        self._release: asyncio.Future[None] | None = None
+
+    def observation(self, content: str = "", **fields: Any) -> EpisodeObservation:
+        return EpisodeObservation(
+            content=content,
+            task_id=self.task.id,
+            turn=self.turn,
+            step=self.steps,
+            status=self.status,  # type: ignore[arg-type]  # always one of the literals
+            **fields,
+        )
+
+    async def step(self, call: CallTool, tool_timeout: float) -> ObservationData:
+        if self.done:
+            raise ServerError(ErrorCode.EPISODE_DONE, "the episode is over; reset to play again")
+        self.steps += 1
+        arguments = _arguments(call.arguments)
+        if isinstance(arguments, str):
+            return ObservationData(observation=self.observation(arguments, tool_error=True))
+        if call.name not in self._tool_names:
+            names = sorted(self._tool_names)
+            return ObservationData(
+                observation=self.observation(
+                    f"error: unknown tool {call.name!r}; the tools are {names}", tool_error=True
+                )
+            )
+        if call.name == END_TURN_TOOL:
+            return await self._end_turn(arguments, tool_timeout)
+        outcome = await self._run(self.env.call_tool(call.name, arguments), limit_s=tool_timeout)
+        if outcome.done:
+            return await self.finish(
+                outcome.content, tool_error=outcome.error, limit_s=tool_timeout
+            )
+        return ObservationData(
+            observation=self.observation(outcome.content, tool_error=outcome.error)
+        )
+
+    async def _end_turn(self, arguments: dict[str, Any], tool_timeout: float) -> ObservationData:
+        """End the turn. An env with an ``end_turn(arguments) -> ToolOutcome`` method gets the
+        answer and returns the next turn's prompt; for any other env ending the turn ends the
+        episode. ``max_turns`` ends it in any case."""
+        self.turn += 1
+        if not self.env.has_end_turn:
+            return await self.finish("turn ended; the episode is over", limit_s=tool_timeout)
+        outcome = await self._run(self.env.end_turn(arguments), limit_s=tool_timeout)
+        if outcome.done or self.turn >= self.bundle.manifest.max_turns:
+            return await self.finish(outcome.content, limit_s=tool_timeout)
+        return ObservationData(observation=self.observation(outcome.content))
+
+    async def finish(
+        self, content: str, *, limit_s: float, tool_error: bool = False
+    ) -> ObservationData:
+        """End the episode and grade it: ``reward`` is the bundle's reward of the verifier's
+        scores, or ``None`` with status ``error`` when the verifier (or reward) fails. The env
+        is released (its sandbox removed) once its state is read."""
+        self.done = True
+        try:
+            state = await self._run(self.env.state(), limit_s=limit_s)
+            self.final_state = state
+            # Released now, not awaited: the reply need not wait for a container's removal
+            # (the handle keeps the teardown; the manager's close awaits it).
+            self._release = asyncio.ensure_future(self.env.close())
+            scores = await self._run(
+                asyncio.to_thread(self.bundle.grade, self.task, state), limit_s=limit_s
+            )
+            reward = float(self.reward_fn(scores))
+            if not math.isfinite(reward):
+                raise RewardError(f"the reward is not a finite number: {reward!r}")
+        except Exception as exc:  # a custom reward function may raise anything: flag it
+            self.status = "error"
+            await self.env.close()
+            return ObservationData(
+                observation=self.observation(content, tool_error=tool_error, error=str(exc)),
+                reward=None,
+                done=True,
+            )
+        self.status = "graded"
+        return ObservationData(
+            observation=self.observation(content, tool_error=tool_error, scores=scores),
+            reward=reward,
+            done=True,
+        )
+
+    async def _run(self, call: Awaitable[Any], *, limit_s: float) -> Any:
+        """Await env code (or the verifier) within ``limit_s``. An overrun or a failure ends
+        the episode (the env's state is no longer trustworthy), releases the env (a sandboxed
+        one is killed, which stops the work) and raises ServerError."""
+        try:
+            return await asyncio.wait_for(call, limit_s)
+        except (VerifierError, RewardError):
+            raise
+        except Exception as exc:
+            if isinstance(exc, TimeoutError):
+                error = ServerError(
+                    ErrorCode.TOOL_TIMEOUT, f"the env did not answer within {limit_s:g} s"
+                )
+            elif isinstance(exc, EnvFailure):
+                error = ServerError(ErrorCode.EXECUTION_ERROR, str(exc))
+            else:
+                error = ServerError(
+                    ErrorCode.EXECUTION_ERROR, f"the env raised {type(exc).__name__}: {exc}"
+                )
+            self.done, self.status = True, "error"
+            await self.env.close()
+            raise error from (None if isinstance(exc, TimeoutError) else exc)
+
+
+def _arguments(raw: Any) -> dict[str, Any] | str:
+    """Tool arguments as a dict, or the tool-error message the model reads when they are not
+    a JSON object (a string is parsed first: OpenAI clients send arguments as JSON text)."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            return f"error: the arguments are not valid JSON ({exc.msg}); send a JSON object"
+    if not isinstance(raw, dict):
+        kind = "an array" if isinstance(raw, list) else f"{json.dumps(raw)[:40]}"
+        return f"error: the arguments must be a JSON object, got {kind}"
+    return raw
+
+
+class EpisodeManager:
+    """Every live episode of one server: capacity, creation, closing and idle reaping.
+
+    At most ``max_concurrent_envs`` episodes live at once. :meth:`open` waits for room up to
+    ``reset_timeout`` seconds, then raises ``CAPACITY_REACHED`` with the ``active`` and ``max``
+    counts. :meth:`reap_idle` closes episodes idle longer than ``idle_timeout``. Must be used
+    from one event loop. ``on_capacity_wait`` (if set) is called each time a reset starts
+    waiting for room, ``on_reap`` (if set) with each episode the reaper closes: hooks for tests
+    and logs (called on the event loop; keep them short). :meth:`shutdown` refuses new
+    episodes, hangs up every registered socket and closes every episode.
+    """
+
+    def __init__(
+        self,
+        bundle: Bundle,
+        *,
+        max_concurrent_envs: int,
+        reset_timeout: float,
+        idle_timeout: float,
+        tool_timeout: float,
+        metrics: Metrics,
+        reward: RewardFn | None = None,
+        host: EnvHost | None = None,
+    ) -> None:
+        if max_concurrent_envs < 1:
+            raise ValueError("max_concurrent_envs must be at least 1")
+        self.bundle = bundle
+        self.host: EnvHost = host or InProcessHost(bundle)
+        self.reward = reward
+        self.max = max_concurrent_envs
+        self.reset_timeout = reset_timeout
+        self.idle_timeout = idle_timeout
+        self.tool_timeout = tool_timeout
+        self.metrics = metrics
+        self.on_capacity_wait: Callable[[], None] | None = None
+        self.on_reap: Callable[[Episode], None] | None = None
+        self.closing = False
+        self._hang_ups: dict[int, Callable[[int, str], Awaitable[None]]] = {}
+        self._episodes: dict[str, Episode] = {}
+        self._slots = 0  # episodes live or being created; <= max
+        self._room = asyncio.Condition()
+        self._ids = itertools.count(1)
+        self._next_task = itertools.count()
+
+    @property
+    def active(self) -> int:
+        return self._slots
+
+    def find_task(self, data: ResetData) -> Task:
+        try:
+            if data.task_id is not None:
+                return self.bundle.task_by_id(data.task_id)
+            if data.split is not None and data.index is not None:
+                return self.bundle.task(data.split, data.index)
+            # An OpenEnv-style reset names no task: the default split, by seed or in turn.
+            split = "train" if "train" in self.bundle.splits else self.bundle.splits[0]
+            count = len(self.bundle.tasks(split))
+            index = data.seed % count if data.seed is not None else next(self._next_task) % count
+            return self.bundle.task(split, index)
+        except TaskNotFound as exc:
+            raise ServerError(ErrorCode.TASK_NOT_FOUND, str(exc)) from None
+
+    async def open(self, task: Task) -> tuple[Episode, str]:
+        """A new episode on ``task`` and its first observation text (the env's reset)."""
+        await self._take_slot()
+        env: EnvHandle | None = None
+        try:
+            env = await asyncio.wait_for(self.host.start(), self.reset_timeout)
+            prompt = await asyncio.wait_for(env.reset(task), self.reset_timeout)
+        except BaseException as exc:
+            if env is not None:
+                await env.close()
+            await self._give_slot()
+            if not isinstance(exc, Exception):
+                raise
+            why = str(exc) if isinstance(exc, EnvFailure) else f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, TimeoutError):
+                why = f"it did not start within {self.reset_timeout:g} s (reset_timeout)"
+            raise ServerError(ErrorCode.FACTORY_ERROR, f"the env could not start: {why}") from exc
+        if self.closing:  # shut down while the env was starting
+            await env.close()
+            await self._give_slot()
+            raise ServerError(ErrorCode.SESSION_ERROR, SHUTDOWN_REASON)
+        episode = Episode(f"ep-{next(self._ids)}", self.bundle, task, env, self.reward)
+        self._episodes[episode.id] = episode
+        return episode, prompt
+
+    async def close(self, episode: Episode, status: str | None = None) -> None:
+        """Forget ``episode`` and free its slot (idempotent)."""
+        if self._episodes.pop(episode.id, None) is None:
+            return
+        await episode.env.close()
+        episode.done = True
+        episode.closed_as = status or episode.status
+        self.metrics.episodes.labels(status=status or episode.status).inc()
+        await self._give_slot()
+
+    async def close_all(self) -> None:
+        for episode in list(self._episodes.values()):
+            await self.close(episode, "shutdown")
+
+    def add_socket(self, key: int, hang_up: Callable[[int, str], Awaitable[None]]) -> None:
+        """Register a live socket's ``hang_up(code, reason)`` for :meth:`shutdown`."""
+        self._hang_ups[key] = hang_up
+
+    def remove_socket(self, key: int) -> None:
+        self._hang_ups.pop(key, None)
+
+    async def shutdown(self) -> None:
+        """Stop for good (idempotent): refuse new episodes and wake resets waiting for room
+        (they get ``SESSION_ERROR``), close every socket with 1001 and a reason, then close
+        every episode."""
+        self.closing = True
+        async with self._room:
+            self._room.notify_all()
+        for hang_up in list(self._hang_ups.values()):
+            with contextlib.suppress(Exception):  # a socket already gone is fine
+                await hang_up(GOING_AWAY, SHUTDOWN_REASON)
+        self._hang_ups.clear()
+        await self.close_all()
+
+    def _refuse_if_closing(self) -> None:
+        if self.closing:
+            raise ServerError(ErrorCode.SESSION_ERROR, SHUTDOWN_REASON)
+
+    def is_open(self, episode: Episode) -> bool:
+        return episode.id in self._episodes
+
+    async def reap_idle(self, now: float | None = None) -> int:
+        """Close every episode idle for more than ``idle_timeout``; returns how many."""
+        now = time.monotonic() if now is None else now
+        stale = [
+            e
+            for e in self._episodes.values()
+            if not e.busy and now - e.last_active > self.idle_timeout
+        ]
+        for episode in stale:
+            await self.close(episode, "reaped")
+            if self.on_reap is not None:
+                self.on_reap(episode)
+        return len(stale)
+
+    async def reaper(self) -> None:
+        """Run :meth:`reap_idle` forever, often enough to reap within ~1.5x ``idle_timeout``."""
+        interval = max(0.05, min(self.idle_timeout / 2, 30.0))
+        while True:
+            await asyncio.sleep(interval)
+            await self.reap_idle()
+
+    async def _take_slot(self) -> None:
+        self._refuse_if_closing()
+        async with self._room:
+            if self._slots >= self.max:
+                if self.on_capacity_wait is not None:
+                    self.on_capacity_wait()
+                self.metrics.waiting.inc()
+                try:
+                    await asyncio.wait_for(
+                        self._room.wait_for(lambda: self._slots < self.max or self.closing),
+                        self.reset_timeout,
+                    )
+                except TimeoutError:
+                    raise ServerError(
+                        ErrorCode.CAPACITY_REACHED,
+                        f"the server is full ({self._slots} of {self.max} episodes live) and no "
+                        f"room freed within {self.reset_timeout:g} s",
+                        active=self._slots,
+                        max=self.max,
+                    ) from None
+                finally:
+                    self.metrics.waiting.dec()
+            self._refuse_if_closing()
+            self._slots += 1
+            self.metrics.active.set(self._slots)
+
+    async def _give_slot(self) -> None:
+        async with self._room:
+            self._slots -= 1
+            self.metrics.active.set(self._slots)
+            self._room.notify()
