@@ -109,9 +109,45 @@ class SandboxNeeds(_Model):
     image: str | None = None  # the container image / template the env needs
 
 
+_ENTRY_POINT = r"^[^:]+\.py:[A-Za-z_]\w*$"
+
+
 class EnvSpec(_Model):
+    """``[env]``: the env class, what ships with it into a sandbox, and what data it sees.
+
+    ``modules``: the bundle paths (files or folders) the env needs at run time, the env module
+    among them; only these enter a sandbox. ``None``: the env module and the bundle modules it
+    imports, transitively. ``task_data``: ``"module.py:function"``, a function run in the
+    server's process that maps a :class:`~corral.envs.episode.Task` to the ``data`` the env's
+    ``reset`` receives (so hidden task data, such as a seed the answers derive from, stays
+    out of the sandbox); ``None``: the task's own ``data``.
+    """
+
     module: str = "env.py"
     class_name: str = Field(alias="class", pattern=r"^[A-Za-z_]\w*$")
+    modules: tuple[str, ...] | None = None
+    task_data: str | None = Field(default=None, pattern=_ENTRY_POINT)
+
+
+class EntryPoint(_Model):
+    """A function of the bundle: ``module`` (a ``.py`` path in the bundle) and ``function``."""
+
+    module: str
+    function: str = Field(pattern=r"^[A-Za-z_]\w*$")
+
+
+class BaselineSpec(EntryPoint):
+    """``[[baselines]]``: a named policy of the solver's shape, reported beside it."""
+
+    name: str = Field(pattern=_SIMPLE_NAME)
+
+
+class LimitsSpec(_Model):
+    """``[limits]``: bounds the server enforces per episode. ``max_call_bytes``: one tool
+    call's arguments, as JSON; ``max_state_bytes``: the env's state, as JSON."""
+
+    max_call_bytes: int = Field(default=64 * 1024, ge=256)
+    max_state_bytes: int = Field(default=4 * 2**20, ge=1024)
 
 
 class VerifierSpec(_Model):
@@ -175,6 +211,12 @@ class BundleManifest(_Model):
     reward: RewardSpec
     tools: list[ToolSpec] = Field(default_factory=list)
     eval: EvalSpec = EvalSpec()
+    # ``[solver]``: the reference solver, ``(task) -> [{"name", "arguments"}, ...]``, the tool
+    # calls that solve the task (``corral bundle validate --play`` checks it reaches the
+    # maximum reward); ``[[baselines]]``: more policies of that shape, reported beside it.
+    solver: EntryPoint | None = None
+    baselines: tuple[BaselineSpec, ...] = ()
+    limits: LimitsSpec = LimitsSpec()
 
 
 class _TaskLine(_Model):
