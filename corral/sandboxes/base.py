@@ -210,6 +210,13 @@ class SandboxProvider(abc.ABC):
     host_binds: bool = True
     isolated: bool = True
 
+    def model_jail(self, spec: SandboxSpec) -> tuple[str, ...]:
+        """The command prefix that runs a model action inside a sandbox of ``spec`` out of
+        the env runner's reach (another uid, or its own user and pid namespaces): handed to
+        the runner as ``CORRAL_MODEL_JAIL`` (:mod:`corral.envs.model_actions`). Empty: the
+        backend keeps nothing between the runner and the model's commands."""
+        return ()
+
     @abc.abstractmethod
     async def create(self, spec: SandboxSpec) -> Sandbox:
         """A new, started sandbox. Records it before creating it (see the module docstring);
