@@ -1,4 +1,8 @@
-"""Run ASGI apps with uvicorn in a background thread on 127.0.0.1 (tests, demos, benchmarks)."""
+"""Run ASGI apps with uvicorn in a background thread on 127.0.0.1 (tests, demos, benchmarks).
+
+The server runs with corral's transport limits (:mod:`corral.transport`): no idle or slow
+socket is held for ever, whichever app it serves.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +14,9 @@ from typing import Any
 
 import uvicorn
 
-# How long a server keeps an idle keep-alive connection: longer than its clients keep one
-# (httpx: 5 s). With equal timeouts a client can send a request on a connection the server is
-# closing that instant, and the request fails with a ReadError (seen at 256 concurrent rollouts
-# through the gateway); this way the client always closes an idle connection first.
-KEEP_ALIVE_S = 75
+from corral.transport import KEEP_ALIVE_S, TransportLimits, hardened_config
+
+__all__ = ["KEEP_ALIVE_S", "free_port", "serve_in_thread"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -26,9 +28,17 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 @contextmanager
 def serve_in_thread(
-    app: Any, *, host: str = "127.0.0.1", port: int | None = None, **config: Any
+    app: Any,
+    *,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    limits: TransportLimits | None = None,
+    **config: Any,
 ) -> Iterator[str]:
     """Serve ``app`` until the block exits; yield its base URL.
+
+    ``limits`` bounds the transport (default: ``TransportLimits()``); other ``config`` goes
+    to ``uvicorn.Config`` (the settings ``limits`` owns raise ``TypeError`` there).
 
     Returns once uvicorn listens (its ``started`` flag, waited on with an event, not a sleep);
     raises ``RuntimeError`` if the server thread dies first (e.g. the port is taken or the
@@ -36,13 +46,13 @@ def serve_in_thread(
     """
     port = port or free_port(host)
     server = uvicorn.Server(
-        uvicorn.Config(
+        hardened_config(
             app,
+            limits or TransportLimits(),
             host=host,
             port=port,
             log_level=config.pop("log_level", "warning"),
             timeout_graceful_shutdown=config.pop("timeout_graceful_shutdown", 2),
-            timeout_keep_alive=config.pop("timeout_keep_alive", KEEP_ALIVE_S),
             **config,
         )
     )

@@ -7,10 +7,9 @@ from typing import Any
 from fastapi import FastAPI
 
 from corral.envs.episodes import EpisodeManager
+from corral.transport import TransportLimits
 
-# Keepalive pings (uvicorn) and the bound on uvicorn's graceful shutdown, used by run_server.
-WS_PING_INTERVAL = 20.0
-WS_PING_TIMEOUT = 20.0
+# The bound on uvicorn's graceful shutdown, used by run_server.
 GRACEFUL_SHUTDOWN_S = 10
 
 
@@ -22,17 +21,20 @@ def run_server(
     log_level: str = "info",
     access_log: bool = False,
     timeout_graceful_shutdown: int = GRACEFUL_SHUTDOWN_S,
-    ws_ping_interval: float = WS_PING_INTERVAL,
-    ws_ping_timeout: float = WS_PING_TIMEOUT,
+    limits: TransportLimits | None = None,
 ) -> None:
     """Run an app from :func:`build_app` with uvicorn until SIGINT / SIGTERM (blocks).
 
     On the signal, before uvicorn's own graceful shutdown, the app's manager shuts down: new
     episodes are refused, every socket is closed with 1001 and a reason, every episode is torn
     down. uvicorn then waits at most ``timeout_graceful_shutdown`` s for requests in flight
-    (e.g. a tool call in a worker thread) before cancelling them. The server pings every
-    socket each ``ws_ping_interval`` s and drops one that does not answer within
-    ``ws_ping_timeout`` s.
+    (e.g. a tool call in a worker thread) before cancelling them.
+
+    ``limits`` (default ``TransportLimits()``) bounds the transport: how long a connection may
+    take to send a request head and body, how many may wait for one, how many may be open in
+    all, the largest WebSocket message, and the WebSocket ping keepalive (every socket is
+    pinged each ``ws_ping_interval`` s and dropped if it does not answer within
+    ``ws_ping_timeout`` s). See :mod:`corral.transport`.
 
     A SIGTERM shutdown is a clean exit: this returns normally (``corral serve`` exits 0),
     where a bare ``uvicorn.run`` re-raises the signal after shutting down (exit status -15).
@@ -42,7 +44,7 @@ def run_server(
 
     import uvicorn
 
-    from corral.serving import KEEP_ALIVE_S
+    from corral.transport import hardened_config
 
     manager: EpisodeManager = app.state.episodes
 
@@ -51,16 +53,14 @@ def run_server(
             await manager.shutdown()
             await super().shutdown(sockets=sockets)
 
-    config = uvicorn.Config(
+    config = hardened_config(
         app,
+        limits or TransportLimits(),
         host=host,
         port=port,
         log_level=log_level,
         access_log=access_log,
         timeout_graceful_shutdown=timeout_graceful_shutdown,
-        ws_ping_interval=ws_ping_interval,
-        ws_ping_timeout=ws_ping_timeout,
-        timeout_keep_alive=KEEP_ALIVE_S,
     )
     if threading.current_thread() is not threading.main_thread():
         _Server(config).run()

@@ -326,14 +326,15 @@ def run_engine(
     """Load ``model_path`` and serve it until interrupted (blocking; used by ``corral engine``)."""
     import uvicorn
 
-    engine = LocalEngine(model_path, device=device, max_batch_size=max_batch_size)
-    from corral.serving import KEEP_ALIVE_S
+    from corral.transport import TransportLimits, hardened_config
 
-    uvicorn.run(
+    engine = LocalEngine(model_path, device=device, max_batch_size=max_batch_size)
+    config = hardened_config(
         build_engine_app(engine),
+        TransportLimits(),
         host=host,
         port=port,
         log_level="info",
         access_log=False,
-        timeout_keep_alive=KEEP_ALIVE_S,
     )
+    uvicorn.Server(config).run()
