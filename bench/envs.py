@@ -199,7 +199,7 @@ class Load:
 
 async def solo(url: str, pid: int, steps: int, console: Console, progress: Progress) -> Solo:
     """One episode at a time: reset, ``simulate_schedule`` steps, submit; time the simulates."""
-    per_episode = 50
+    per_episode = 25  # under gridsim's cap of simulations per episode
     latencies: list[float] = []
     cpu_time = 0.0
     task = progress.add_task("solo: simulate steps", total=steps)
@@ -216,8 +216,8 @@ async def solo(url: str, pid: int, steps: int, console: Console, progress: Progr
                 t0 = time.perf_counter()
                 obs = await client.call_tool("simulate_schedule", {"schedule": SCHEDULE})
                 latencies.append(time.perf_counter() - t0)
-                if obs.observation.tool_error:
-                    raise RuntimeError(f"simulate_schedule refused: {obs.observation.content}")
+                if obs.observation.is_error:
+                    raise RuntimeError(f"simulate_schedule refused: {obs.observation.text}")
             cpu_time += cpu_seconds(pid) - cpu0
             progress.advance(task, n)
             await client.call_tool("submit_schedule", {"schedule": SCHEDULE})
@@ -271,7 +271,7 @@ async def load(
                     result.messages += len(script) + 1
                 finally:
                     live -= 1
-                if "call_tool" in script[-1] and not data.get("done"):
+                if script[-1].get("type") == "call_tool" and not data.get("done"):
                     raise RuntimeError(f"episode {i} not done after submit: {data}")
                 await ws.send(json.dumps({"type": "close"}))
             result.completed += 1
@@ -367,8 +367,16 @@ async def main(args: argparse.Namespace) -> int:
         str(args.episodes),
     ]
     console.print(f"[bold]corral[/]: {' '.join(corral_cmd[1:])}  (log {logs / 'corral.log'})")
-    sim = {"call_tool": {"name": "simulate_schedule", "arguments": {"schedule": SCHEDULE}}}
-    submit = {"call_tool": {"name": "submit_schedule", "arguments": {"schedule": SCHEDULE}}}
+    sim = {
+        "type": "call_tool",
+        "tool_name": "simulate_schedule",
+        "arguments": {"schedule": SCHEDULE},
+    }
+    submit = {
+        "type": "call_tool",
+        "tool_name": "submit_schedule",
+        "arguments": {"schedule": SCHEDULE},
+    }
     with Progress(console=console, transient=True) as progress:
         with server_process(corral_cmd, port, logs / "corral.log") as proc:
             url = f"http://127.0.0.1:{port}"

@@ -42,13 +42,15 @@ async def test_full_episode_reward_is_the_verifiers_grade(bundle: Bundle) -> Non
             first = await env.reset(split="eval", index=0)
             assert not first.done and first.reward is None
             assert first.observation.task_id == "eval-0000"
-            assert "Battery" in first.observation.content
-            names = [t["function"]["name"] for t in first.observation.tools or []]
+            assert "Battery" in first.observation.prompt
+            assert first.observation.system_prompt == bundle.manifest.system_prompt
+            names = [t.name for t in first.observation.tools]
             assert names == ["simulate_schedule", "submit_schedule", "end_turn"]
 
             sim = await env.call_tool("simulate_schedule", {"schedule": CYCLE})
-            assert not sim.done and not sim.observation.tool_error
-            assert json.loads(sim.observation.content)["valid"] is True
+            assert not sim.done and not sim.observation.is_error
+            assert sim.observation.tool_name == "simulate_schedule"
+            assert json.loads(sim.observation.text)["valid"] is True
 
             end = await env.call_tool("submit_schedule", json.dumps({"schedule": CYCLE}))
             task = bundle.task("eval", 0)
@@ -59,10 +61,10 @@ async def test_full_episode_reward_is_the_verifiers_grade(bundle: Bundle) -> Non
             assert end.reward is not None and 0.2 < end.reward <= 1.0
 
             state = await env.state()
-            assert state["done"] and state["env"]["submitted"] == CYCLE
+            assert state.done and state.env["submitted"] == CYCLE
             with pytest.raises(EnvServerError) as after:
                 await env.call_tool("simulate_schedule", {"schedule": IDLE})
-            assert after.value.code == "EPISODE_DONE"
+            assert after.value.code == "EXECUTION_ERROR" and after.value.reason == "episode_done"
 
             # The socket plays on: a new reset (by task id) starts a fresh episode.
             again = await env.reset(task_id="train-0001")
@@ -74,16 +76,23 @@ async def test_list_tools_and_model_mistakes_keep_the_episode_going(bundle: Bund
         async with EnvClient(url) as env:
             await env.reset(split="train", index=3)
             tools = await env.list_tools()
-            assert [t["function"]["name"] for t in tools][-1] == "end_turn"
-            assert all(t["type"] == "function" for t in tools)
+            assert [t.name for t in tools][-1] == "end_turn"
+            assert all(t.input_schema["type"] == "object" for t in tools)
             for bad in ([1, 2], "not json {", "[1]", 7, None):
                 out = await env.call_tool("simulate_schedule", bad)
-                assert out.observation.tool_error and not out.done
-                assert "JSON" in out.observation.content
+                assert out.observation.is_error and not out.done
+                assert out.observation.error is not None
+                assert out.observation.error.error_type == "invalid_args"
+                assert "JSON" in out.observation.text
             unknown = await env.call_tool("rm_rf", {})
-            assert unknown.observation.tool_error and "unknown tool" in unknown.observation.content
+            assert unknown.observation.error is not None
+            assert unknown.observation.error.error_type == "tool_not_found"
+            assert "unknown tool" in unknown.observation.text
             env_refused = await env.call_tool("submit_schedule", {"schedule": "all"})
-            assert env_refused.observation.tool_error and not env_refused.done
+            # The env's own refusal: a result marked is_error, not a framework error.
+            assert env_refused.observation.error is None and not env_refused.done
+            assert env_refused.observation.result is not None
+            assert env_refused.observation.result.is_error
             done = await env.call_tool("submit_schedule", {"schedule": IDLE})
             assert done.done and done.reward == pytest.approx(0.2)
 
@@ -111,7 +120,7 @@ async def test_crashing_verifier_gives_null_reward_and_error_status(
             out = await env.call_tool("submit_schedule", {"schedule": CYCLE})
             assert out.done and out.reward is None
             assert out.observation.status == "error"
-            assert "ZeroDivisionError" in (out.observation.error or "")
+            assert "ZeroDivisionError" in (out.observation.grade_error or "")
 
 
 async def test_malformed_and_unknown_messages_echo_request_ids(bundle: Bundle) -> None:
@@ -123,14 +132,15 @@ async def test_malformed_and_unknown_messages_echo_request_ids(bundle: Bundle) -
             assert unknown["data"]["code"] == "UNKNOWN_TYPE" and unknown["request_id"] == 5
             bad = await raw(ws, {"type": "reset", "data": {"split": "eval"}, "request_id": "a"})
             assert bad["data"]["code"] == "VALIDATION_ERROR" and bad["request_id"] == "a"
-            two = await raw(
-                ws, {"type": "step", "data": {"call_tool": {"name": "x"}, "list_tools": {}}}
-            )
+            two = await raw(ws, {"type": "step", "data": {"type": "call_tool"}})
             assert two["data"]["code"] == "VALIDATION_ERROR" and "request_id" not in two
-            early = await raw(ws, {"type": "step", "data": {"list_tools": {}}})
-            assert early["data"]["code"] == "NO_EPISODE"
+            assert two["data"]["errors"][0]["loc"] == ["step", "data", "call_tool", "tool_name"]
+            early = await raw(ws, {"type": "step", "data": {"type": "call_tool", "tool_name": "x"}})
+            assert early["data"]["code"] == "EXECUTION_ERROR"
+            assert early["data"]["reason"] == "no_episode"
             missing = await raw(ws, {"type": "reset", "data": {"split": "eval", "index": 10**6}})
-            assert missing["data"]["code"] == "TASK_NOT_FOUND"
+            assert missing["data"]["code"] == "VALIDATION_ERROR"
+            assert missing["data"]["reason"] == "task_not_found"
             ok = await raw(
                 ws, {"type": "reset", "data": {"split": "eval", "index": 0}, "request_id": "r"}
             )
@@ -186,7 +196,8 @@ async def test_capacity_timeout(bundle: Bundle) -> None:
             with pytest.raises(EnvServerError) as full:
                 await second.reset(split="eval", index=1)
             assert full.value.code == "CAPACITY_REACHED"
-            assert full.value.data["active"] == 1 and full.value.data["max"] == 1
+            assert full.value.data["active_sessions"] == 1
+            assert full.value.data["max_sessions"] == 1
 
 
 async def test_task_api_and_metrics(bundle: Bundle) -> None:
@@ -226,12 +237,16 @@ async def test_tool_timeout_ends_the_episode(
         with serve(build_app(slow, tool_timeout=0.2)) as url:
             async with EnvClient(url) as env:
                 await env.reset(split="eval", index=0)
-                with pytest.raises(EnvServerError) as late:
-                    await env.call_tool("simulate_schedule", {"schedule": IDLE})
-                assert late.value.code == "TOOL_TIMEOUT"
+                late = await env.call_tool("simulate_schedule", {"schedule": IDLE})
+                # An observation, not an error frame: the episode is over, with no reward.
+                assert late.done and late.reward is None
+                assert late.observation.status == "error"
+                assert late.observation.error is not None
+                assert late.observation.error.error_type == "timeout"
+                assert "0.2 s" in late.observation.text
                 with pytest.raises(EnvServerError) as after:
                     await env.call_tool("simulate_schedule", {"schedule": IDLE})
-                assert after.value.code == "EPISODE_DONE"
+                assert after.value.reason == "episode_done"
             # Free the stuck worker before the server stops: its loop waits for its threads.
             release.set()
     finally:

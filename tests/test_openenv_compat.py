@@ -1,102 +1,216 @@
-"""An OpenEnv client (``openenv-core``'s own ``GenericEnvClient``) plays a gridsim episode.
+"""OpenEnv's own clients (``openenv-core``'s ``MCPToolClient`` and ``GenericEnvClient``, and its
+``openenv validate --url`` checks) play corral's env server, changing nothing but the URL.
 
 openenv-core lives in its own venv (its deps may conflict with ours): create it with
 ``scripts/openenv_venv.sh .openenv-venv`` or point ``CORRAL_OPENENV_PYTHON`` at a python that
-has ``openenv-core`` installed. Without one the test skips.
-
-Wire note: OpenEnv's own ``reset()`` sends ``{"type": "reset", "data": {}}`` (or ``seed`` /
-``episode_id``): the server then plays its default split (``seed`` mod its size, else in
-turn); ``split``/``index`` passed as reset keyword arguments, which OpenEnv forwards as
-``data`` verbatim, name a task.
+has ``openenv-core`` installed. Without one the tests skip. Each test runs one script in that
+venv against a real server on 127.0.0.1 and checks what the script printed (one JSON line).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from bundles.shellcraft.solver import solve
 from corral.envs.bundle import load_bundle
 from corral.envs.server import build_app
 from tests.servers import serve
 
 ROOT = Path(__file__).resolve().parents[1]
 GRIDSIM = ROOT / "bundles" / "gridsim"
+SHELLCRAFT = ROOT / "bundles" / "shellcraft"
 DEFAULT_PYTHON = ROOT / ".openenv-venv" / "bin" / "python"
+# Charge at 03:00, sell at 18:00: valid for every gridsim battery (it starts empty).
+CYCLE = [0] * 3 + [1] + [0] * 14 + [-1] + [0] * 5
 
-CLIENT_SCRIPT = """
+# MCPToolClient in its default (WebSocket) mode, then GenericEnvClient, on gridsim.
+GRIDSIM_SCRIPT = """
 import asyncio, json, sys
 from openenv.core import GenericEnvClient
+from openenv.core.mcp_client import MCPToolClient
+from openenv.core.env_server.mcp_types import CallToolAction
 
-async def main(url):
-    async with GenericEnvClient(base_url=url, message_timeout_s=30) as env:
+async def main(url, cycle):
+    out = {}
+    async with MCPToolClient(base_url=url, message_timeout_s=30) as env:
+        listed_early = await env.list_tools(use_cache=False)  # OpenEnv: no reset needed
+        out["early_tools"] = [t.name for t in listed_early]
         first = await env.reset(split="eval", index=0)
-        action = {"call_tool": {"name": "submit_schedule", "arguments": {"schedule": [0] * 24}}}
-        last = await env.step(action)
+        out["reset_done"] = first.done
+        tools = await env.list_tools(use_cache=False)
+        out["tools"] = [t.model_dump() for t in tools]
+        out["simulated"] = await env.call_tool("simulate_schedule", schedule=cycle)
+        try:
+            await env.call_tool("rm_rf")
+        except RuntimeError as exc:
+            out["unknown_tool"] = str(exc)
+        last = await env.step(CallToolAction(tool_name="submit_schedule",
+                                             arguments={"schedule": cycle}))
+        out["mcp_end"] = {"reward": last.reward, "done": last.done,
+                          "result": last.observation.result}
         state = await env.state()
-        plain = await env.reset()
-        seeded = await env.reset(seed=7, episode_id="mine")
-    print(json.dumps({
-        "plain": plain.observation["task_id"],
-        "seeded": seeded.observation["task_id"],
-        "reset": {"observation": first.observation, "reward": first.reward, "done": first.done},
-        "step": {"observation": last.observation, "reward": last.reward, "done": last.done},
-        "state": state,
-    }))
+        out["mcp_state"] = {"episode_id": state.episode_id, "step_count": state.step_count}
+    async with GenericEnvClient(base_url=url, message_timeout_s=30) as env:
+        first = await env.reset(split="eval", index=1)
+        out["generic_reset"] = first.observation
+        last = await env.step({"type": "call_tool", "tool_name": "submit_schedule",
+                               "arguments": {"schedule": cycle}})
+        out["generic_end"] = {"observation": last.observation, "reward": last.reward,
+                              "done": last.done}
+        out["generic_state"] = await env.state()
+        out["plain"] = (await env.reset()).observation["task_id"]
+        out["seeded"] = (await env.reset(seed=7, episode_id="mine")).observation
+    print(json.dumps(out))
 
-asyncio.run(main(sys.argv[1]))
+asyncio.run(main(sys.argv[1], json.loads(sys.argv[2])))
+"""
+
+# MCPToolClient in production mode: JSON-RPC over POST /mcp (session create, tools/list,
+# tools/call, session close).
+PRODUCTION_SCRIPT = """
+import asyncio, json, sys
+from openenv.core.mcp_client import MCPToolClient
+
+async def main(url, cycle):
+    env = MCPToolClient(base_url=url, message_timeout_s=30)
+    env.use_production_mode = True
+    tools = await env.list_tools(use_cache=False)
+    simulated = await env.call_tool("simulate_schedule", schedule=cycle)
+    session = env._production_session_id
+    try:
+        await env.call_tool("rm_rf")
+    except RuntimeError as exc:
+        unknown = str(exc)
+    submitted = await env.call_tool("submit_schedule", schedule=cycle)
+    await env.close()
+    print(json.dumps({"tools": [t.name for t in tools], "simulated": simulated,
+                      "session": session, "unknown": unknown, "submitted": submitted}))
+
+asyncio.run(main(sys.argv[1], json.loads(sys.argv[2])))
+"""
+
+VALIDATE_SCRIPT = """
+import json, sys
+from openenv.cli._validation import validate_running_environment
+print(json.dumps(validate_running_environment(sys.argv[1], timeout_s=10)))
+"""
+
+# MCPToolClient plays shellcraft's reference commands through bash, then submits.
+SHELLCRAFT_SCRIPT = """
+import asyncio, json, sys
+from openenv.core.mcp_client import MCPToolClient
+from openenv.core.env_server.mcp_types import CallToolAction
+
+async def main(url, commands):
+    async with MCPToolClient(base_url=url, message_timeout_s=60) as env:
+        await env.reset(split="eval", index=0)
+        outputs = [await env.call_tool("bash", command=c) for c in commands]
+        last = await env.step(CallToolAction(tool_name="submit", arguments={}))
+    print(json.dumps({"outputs": outputs, "reward": last.reward, "done": last.done}))
+
+asyncio.run(main(sys.argv[1], json.loads(sys.argv[2])))
 """
 
 
-def openenv_python() -> Path | None:
-    """The venv python holding openenv-core, or None (env var first, then the default path)."""
+def openenv_python() -> Path:
+    """The venv python holding openenv-core (env var first, then the default path); skips
+    the test when there is none."""
     configured = os.environ.get("CORRAL_OPENENV_PYTHON")
-    if configured:
-        return Path(configured)
-    return DEFAULT_PYTHON if DEFAULT_PYTHON.exists() else None
-
-
-def test_openenv_generic_client_plays_a_gridsim_episode() -> None:
-    python = openenv_python()
-    if python is None:
+    python = Path(configured) if configured else DEFAULT_PYTHON
+    if configured and not python.exists():
+        pytest.fail(f"CORRAL_OPENENV_PYTHON={python} does not exist")
+    if not python.exists():
         pytest.skip(
             "no openenv-core venv: run `scripts/openenv_venv.sh .openenv-venv` "
             "(or set CORRAL_OPENENV_PYTHON=/path/to/venv/bin/python)"
         )
-    if not python.exists():
-        pytest.fail(f"CORRAL_OPENENV_PYTHON={python} does not exist")
-    with serve(build_app(load_bundle(GRIDSIM), max_concurrent_envs=4)) as url:
-        proc = subprocess.run(
-            [str(python), "-c", CLIENT_SCRIPT, url],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env={**os.environ, "PYTHONPATH": ""},
-        )
+    return python
+
+
+def run_openenv(script: str, *args: str, timeout: float = 120) -> Any:
+    """Run ``script`` in the OpenEnv venv; the JSON it printed last."""
+    proc = subprocess.run(
+        [str(openenv_python()), "-c", script, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": ""},
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
-    reset = result["reset"]
-    assert reset["done"] is False
-    assert reset["reward"] is None
-    assert reset["observation"]["status"] == "running"
-    assert reset["observation"]["task_id"] == "eval-0000"
-    assert {t["function"]["name"] for t in reset["observation"]["tools"]} >= {
-        "simulate_schedule",
-        "submit_schedule",
-    }
 
-    step = result["step"]
-    assert step["done"] is True
-    assert step["reward"] == pytest.approx(0.2)  # the idle grade
-    assert step["observation"]["status"] == "graded"
-    assert step["observation"]["tool_error"] is False
+def test_openenv_clients_play_gridsim_over_the_socket() -> None:
+    bundle = load_bundle(GRIDSIM)
+    with serve(build_app(bundle, max_concurrent_envs=4)) as url:
+        out = run_openenv(GRIDSIM_SCRIPT, url, json.dumps(CYCLE))
 
-    assert result["state"]["episode_id"]
-    assert result["state"]["done"] is True
-    # OpenEnv's own reset(): the default split, in turn or by seed
-    assert result["plain"] == "train-0000"
-    assert result["seeded"] == "train-0007"
+    assert out["early_tools"] == ["simulate_schedule", "submit_schedule", "end_turn"]
+    assert out["reset_done"] is False
+    assert [t["name"] for t in out["tools"]] == out["early_tools"]
+    assert out["tools"][0]["input_schema"]["type"] == "object"
+    assert json.loads(out["simulated"])["valid"] is True
+    assert "tool_not_found" in out["unknown_tool"] and "rm_rf" in out["unknown_tool"]
+
+    expected = bundle.reward(bundle.grade(bundle.task("eval", 0), {"submitted": CYCLE}))
+    end = out["mcp_end"]
+    assert end["done"] is True and end["reward"] == pytest.approx(expected)
+    assert end["result"]["is_error"] is False and "submitted" in end["result"]["data"]
+    assert out["mcp_state"]["step_count"] == 3 and out["mcp_state"]["episode_id"]
+
+    reset = out["generic_reset"]
+    assert reset["task_id"] == "eval-0001" and reset["status"] == "running"
+    assert reset["system_prompt"] == bundle.manifest.system_prompt and reset["prompt"]
+    expected = bundle.reward(bundle.grade(bundle.task("eval", 1), {"submitted": CYCLE}))
+    gend = out["generic_end"]
+    assert gend["done"] is True and gend["reward"] == pytest.approx(expected)
+    assert gend["observation"]["status"] == "graded"
+    assert gend["observation"]["tool_name"] == "submit_schedule"
+    assert gend["observation"]["error"] is None
+    assert out["generic_state"]["done"] is True
+    assert out["generic_state"]["env"]["submitted"] == CYCLE
+    # OpenEnv's own reset(): the default split, in turn or by seed; the client's episode id
+    assert out["plain"] == "train-0000"
+    assert out["seeded"]["task_id"] == "train-0007" and out["seeded"]["episode_id"] == "mine"
+
+
+def test_openenv_production_mode_plays_over_post_mcp() -> None:
+    bundle = load_bundle(GRIDSIM)
+    app = build_app(bundle, max_concurrent_envs=4)
+    with serve(app) as url:
+        out = run_openenv(PRODUCTION_SCRIPT, url, json.dumps(CYCLE))
+        active_after = app.state.episodes.active
+    assert out["tools"] == ["simulate_schedule", "submit_schedule", "end_turn"]
+    assert json.loads(out["simulated"])["valid"] is True
+    assert out["session"]
+    assert "Tool 'rm_rf' failed" in out["unknown"] and "unknown tool" in out["unknown"]
+    assert "submitted" in out["submitted"]
+    assert active_after == 0  # graded, then the session closed: nothing left open
+
+
+def test_openenv_validate_passes_against_a_corral_server() -> None:
+    with serve(build_app(load_bundle(GRIDSIM))) as url:
+        report = run_openenv(VALIDATE_SCRIPT, url)
+    failed = [c for c in report["criteria"] if not c["passed"]]
+    assert report["passed"] is True, failed
+    assert report["mode"] == "simulation"
+    assert report["standard_version"] == load_bundle(GRIDSIM).manifest.version
+
+
+def test_openenv_mcp_tool_client_plays_shellcraft_in_bwrap() -> None:
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed (apt-get install bubblewrap)")
+    bundle = load_bundle(SHELLCRAFT)
+    commands = solve(bundle.task("eval", 0).data)
+    with serve(build_app(bundle, sandbox="bwrap")) as url:
+        out = run_openenv(SHELLCRAFT_SCRIPT, url, json.dumps(commands), timeout=300)
+    assert len(out["outputs"]) == len(commands)
+    assert all(isinstance(o, str) for o in out["outputs"])
+    assert out["done"] is True and out["reward"] == pytest.approx(1.0)

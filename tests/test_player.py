@@ -114,8 +114,8 @@ async def test_a_gridsim_rollout_is_graded_even_when_the_model_cannot_play(
 @pytest.mark.parametrize(
     ("mode", "reason"),
     [
-        ("raise", "env: EXECUTION_ERROR: the env raised RuntimeError: the weather service is down"),
-        ("hang", "env: TOOL_TIMEOUT"),
+        ("raise", "env: execution_error: the env raised RuntimeError: the weather service is down"),
+        ("hang", "env: timeout"),
         ("crash", "no reward: the verifier crashed on purpose"),
     ],
 )
@@ -233,7 +233,7 @@ async def test_an_env_killed_mid_episode_flags_the_rollout(
         rollout = await play
     assert rollout.failed and rollout.reward is None
     assert rollout.reason is not None
-    assert rollout.reason.startswith("env: EXECUTION_ERROR: the env stopped answering")
+    assert rollout.reason.startswith("env: execution_error: the env stopped answering")
     assert all(s.status == "failed" for s in rollout.samples)
 
 

@@ -21,6 +21,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -181,3 +182,51 @@ def test_readme_snippets_run_as_pasted(tmp_path: Path) -> None:
         "runs/train/curves.png",
     ):
         assert (root / made).is_file(), f"{made} was not written:\n{tail}"
+
+
+WIRE_EXAMPLE = re.compile(r"<!-- wire-example: gridsim -->\n```json\n(?P<body>.*?)\n```", re.S)
+
+
+def wire_block(frames: list[Any]) -> str:
+    """The README's rendering of ``frames``: indented JSON, lists of scalars on one line."""
+    import json
+
+    def render(value: Any, depth: int) -> str:
+        pad = "  " * depth
+        if isinstance(value, dict) and value:
+            items = [f"{pad}  {json.dumps(k)}: {render(v, depth + 1)}" for k, v in value.items()]
+            return "{\n" + ",\n".join(items) + f"\n{pad}}}"
+        if isinstance(value, list) and any(isinstance(v, dict | list) for v in value):
+            items = [f"{pad}  {render(v, depth + 1)}" for v in value]
+            return "[\n" + ",\n".join(items) + f"\n{pad}]"
+        return json.dumps(value)
+
+    return render(frames, 0)
+
+
+async def test_the_readme_wire_example_is_what_the_server_sends() -> None:
+    """The README's gridsim episode: its ``send`` frames, replayed on a real server, get
+    exactly its ``reply`` frames (on a mismatch the message holds the block to paste)."""
+    import json
+
+    import websockets
+
+    from corral.envs.client import ws_url
+    from corral.envs.server import build_app
+    from tests.servers import serve
+
+    found = WIRE_EXAMPLE.search(README.read_text())
+    assert found, "the README's wire example (after <!-- wire-example: gridsim -->) is missing"
+    frames = json.loads(found["body"])
+    assert found["body"] == wire_block(frames), "the README's wire example is not formatted"
+    sends = [f["send"] for f in frames[0::2]]
+    replies = [f["reply"] for f in frames[1::2]]
+    assert len(sends) == len(replies) == 4
+    got: list[Any] = []
+    with serve(build_app(REPO / "bundles" / "gridsim")) as url:
+        async with websockets.connect(ws_url(url)) as ws:
+            for send in sends:
+                await ws.send(json.dumps(send))
+                got += [{"send": send}, {"reply": json.loads(await ws.recv())}]
+    block = wire_block(got)
+    assert [f["reply"] for f in got[1::2]] == replies, f"README.md's block is now:\n{block}"

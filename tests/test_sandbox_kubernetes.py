@@ -791,7 +791,7 @@ async def test_the_env_server_runs_gridsim_episodes_in_pods(provider: Kubernetes
         async with EnvClient(url) as env:
             await env.reset(split="eval", index=0)
             sim = await env.call_tool("simulate_schedule", {"schedule": [0] * 24})
-            assert not sim.observation.tool_error and "profit" in sim.observation.content
+            assert not sim.observation.is_error and "profit" in sim.observation.text
             out = await env.call_tool("submit_schedule", {"schedule": [0] * 24})
     assert out.done and out.reward == pytest.approx(0.2)
     assert await provider.list_owned() == []

@@ -411,7 +411,7 @@ async def _settle(
         rollout.reward = outcome.reward
         rollout.scores = outcome.observation.scores
         if outcome.reward is None:
-            why = outcome.observation.error or "no reason given"
+            why = outcome.observation.grade_error or "no reason given"
             rollout.fail(f"the episode ended without a reward: {why}")
     elif tools.failure is not None:
         rollout.status = "error"

@@ -37,7 +37,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from corral.envs.client import EnvClient, EnvClientError, EnvServerError
 from corral.envs.episode import END_TURN_TOOL
-from corral.envs.protocol import ObservationData
+from corral.envs.protocol import (
+    EPISODE_ENDING_TOOL_ERRORS,
+    CallToolObservation,
+    StepResult,
+)
 
 # The end_turn description the agent reads: it decides when the agent stops, so it says what
 # ending the turn does, whatever the row's text.
@@ -74,7 +78,7 @@ class EpisodeTools:
       answers (and counts) every call the agent made;
     - the call that ends the episode returns the env's text with ``done``; the final
       observation (reward, scores, status) is kept in :attr:`outcome`;
-    - the env failing (an ``error`` reply such as ``EXECUTION_ERROR`` or ``TOOL_TIMEOUT``, a
+    - the env failing (a ``timeout`` or ``execution_error`` tool error, an ``error`` reply, a
       lost socket, a call past its deadline) ends the episode as failed: the reason is kept in
       :attr:`failure` and the agent gets an error reply saying so;
     - any call after the end is answered with an error reply saying the episode is over, and
@@ -84,7 +88,7 @@ class EpisodeTools:
     def __init__(self, client: EnvClient, tools: list[dict[str, Any]]) -> None:
         self.client = client
         self.tools = tools
-        self.outcome: ObservationData | None = None
+        self.outcome: StepResult[CallToolObservation] | None = None
         self.failure: str | None = None
         self.calls = 0  # calls forwarded to the env
         self._lock = asyncio.Lock()
@@ -114,11 +118,20 @@ class EpisodeTools:
                     status="error",
                 )
             observation = data.observation
+            error = observation.error
+            if error is not None and error.error_type in EPISODE_ENDING_TOOL_ERRORS:
+                self.failure = f"the env failed on {name!r} ({error.error_type}): {error.message}"
+                return ToolReply(
+                    f"error: the environment failed, the episode is over ({self.failure})",
+                    is_error=True,
+                    done=True,
+                    status="error",
+                )
             if data.done:
                 self.outcome = data
             return ToolReply(
-                observation.content,
-                is_error=observation.tool_error,
+                observation.text,
+                is_error=observation.is_error,
                 done=data.done,
                 status=observation.status,
             )

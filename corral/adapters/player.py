@@ -38,7 +38,7 @@ from corral.adapters.gateway_admin import GatewayAdmin, GatewayAdminError, Sessi
 from corral.adapters.rows import Row
 from corral.env_secrets import SecretMissing, env_secret
 from corral.envs.client import EnvClient, EnvClientError, EnvServerError
-from corral.envs.protocol import ObservationData
+from corral.envs.protocol import CallToolObservation, StepResult
 from corral.gateway.samples import Sample
 
 END_TURN = "end_turn"
@@ -310,7 +310,7 @@ class Player:
         scores when the episode ends; :class:`RolloutFailed` when the env fails."""
         t0 = time.monotonic()
         try:
-            out: ObservationData = await client.call_tool(name, arguments)
+            out: StepResult[CallToolObservation] = await client.call_tool(name, arguments)
         except (EnvServerError, EnvClientError) as exc:
             raise RolloutFailed(f"env: {exc}") from exc
         finally:
@@ -320,9 +320,11 @@ class Player:
             episode.done = True
             episode.reward = out.reward
             episode.scores = dict(obs.scores or {})
+            if obs.error is not None:  # the env timed out, raised or died: the episode is over
+                raise RolloutFailed(f"env: {obs.error.error_type}: {obs.error.message}")
             if out.reward is None:
-                raise RolloutFailed(f"no reward: {obs.error or 'the verifier gave none'}")
-        return obs.content
+                raise RolloutFailed(f"no reward: {obs.grade_error or 'the verifier gave none'}")
+        return obs.text
 
 
 def _openai_http_client() -> Any:

@@ -182,7 +182,8 @@ async def _list_tools(
         try:
             async with EnvClient(url, token=token, timeout=settings.reset_timeout) as client:
                 await client.reset(split=task["split"], index=task["index"])
-                out.append(await client.list_tools())
+                # The model is shown OpenAI function tools; the server lists MCP tools.
+                out.append([tool.openai() for tool in await client.list_tools()])
         except EnvClientError as exc:
             raise RowsError(f"could not play task {task['id']} on {url}: {exc}") from None
     return out

@@ -23,7 +23,7 @@ import contextlib
 import itertools
 import json
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 import websockets
 from pydantic import ValidationError
@@ -32,11 +32,19 @@ from websockets.protocol import State
 
 from corral.envs.protocol import (
     SERVER_MESSAGE,
+    CallToolObservation,
+    EpisodeState,
     ErrorData,
     ErrorMessage,
-    ObservationData,
+    ListToolsObservation,
+    McpReply,
+    McpTool,
     ObservationMessage,
+    ObsT,
+    ResetObservation,
+    ServerMessageT,
     StateMessage,
+    StepResult,
 )
 
 
@@ -50,19 +58,20 @@ class EpisodeLostError(EnvClientError):
 
 
 class EnvServerError(EnvClientError):
-    """The server answered ``error``: ``code`` (an ``ErrorCode`` value) and ``data`` (all of
-    the error's fields, e.g. ``active`` and ``max`` for ``CAPACITY_REACHED``)."""
+    """The server answered ``error``: ``code`` (OpenEnv's ``WSErrorCode`` value), ``reason``
+    (corral's finer case, or None) and ``data`` (all of the error's fields, e.g.
+    ``active_sessions`` and ``max_sessions`` for ``CAPACITY_REACHED``)."""
 
     def __init__(self, data: ErrorData) -> None:
-        super().__init__(f"{data.code.value}: {data.message}")
+        why = f" ({data.reason.value})" if data.reason is not None else ""
+        super().__init__(f"{data.code.value}{why}: {data.message}")
         self.code = data.code.value
-        self.data = data.model_dump(mode="json")
+        self.reason = data.reason.value if data.reason is not None else None
+        self.data = data.model_dump(mode="json", exclude_none=True)
 
 
 # Errors after which the socket has no episode in progress.
-_EPISODE_OVER_CODES = frozenset(
-    {"EPISODE_DONE", "NO_EPISODE", "SESSION_ERROR", "TOOL_TIMEOUT", "EXECUTION_ERROR"}
-)
+_EPISODE_OVER_REASONS = frozenset({"episode_done", "no_episode", "state_too_large"})
 
 
 def ws_url(url: str) -> str:
@@ -132,24 +141,41 @@ class EnvClient:
             raise EnvClientError(f"cannot connect to {self.url}: {exc}") from exc
 
     async def reset(
-        self, split: str | None = None, index: int | None = None, *, task_id: str | None = None
-    ) -> ObservationData:
-        """Start an episode on ``split``/``index`` or ``task_id``; the prompt and tools."""
-        data: dict[str, Any] = {"task_id": task_id} if task_id else {"split": split, "index": index}
+        self,
+        split: str | None = None,
+        index: int | None = None,
+        *,
+        task_id: str | None = None,
+        seed: int | None = None,
+        episode_id: str | None = None,
+    ) -> StepResult[ResetObservation]:
+        """Start an episode on ``split``/``index`` or ``task_id`` (or, naming neither, the
+        server's default split, by ``seed`` or in turn): the prompt, system prompt and tools."""
+        data: dict[str, Any] = {"task_id": task_id} if task_id else {}
+        if split is not None or index is not None:
+            data.update(split=split, index=index)
+        if seed is not None:
+            data["seed"] = seed
+        if episode_id is not None:
+            data["episode_id"] = episode_id
         reply = await self._request({"type": "reset", "data": data}, self.reset_timeout)
-        return self._observation(reply)
+        return self._observation(reply, ResetObservation)
 
-    async def call_tool(self, name: str, arguments: Any) -> ObservationData:
-        """Call a tool; ``done`` and ``reward`` are set on the call that ends the episode."""
-        message = {"type": "step", "data": {"call_tool": {"name": name, "arguments": arguments}}}
-        return self._observation(await self._request(message, self.timeout))
+    async def call_tool(self, name: str, arguments: Any) -> StepResult[CallToolObservation]:
+        """Call a tool (``arguments``: an object, or JSON text of one); ``done`` and
+        ``reward`` are set on the call that ends the episode. A tool failure is an
+        observation (``observation.error``), never an exception."""
+        action = {"type": "call_tool", "tool_name": name, "arguments": arguments}
+        reply = await self._request({"type": "step", "data": action}, self.timeout)
+        return self._observation(reply, CallToolObservation)
 
-    async def list_tools(self) -> list[dict[str, Any]]:
-        """The episode's tools in OpenAI's schema, ``end_turn`` included."""
-        reply = await self._request({"type": "step", "data": {"list_tools": {}}}, self.timeout)
-        return self._observation(reply).observation.tools or []
+    async def list_tools(self) -> list[McpTool]:
+        """The tools in MCP's shape, ``end_turn`` last (the episode's; before any reset, the
+        bundle's)."""
+        reply = await self._request({"type": "step", "data": {"type": "list_tools"}}, self.timeout)
+        return self._observation(reply, ListToolsObservation).observation.tools
 
-    async def state(self) -> dict[str, Any]:
+    async def state(self) -> EpisodeState:
         """The episode's state: ids, counters, status and the env's own state under ``env``."""
         reply = await self._request({"type": "state"}, self.timeout)
         if not isinstance(reply, StateMessage):
@@ -167,14 +193,16 @@ class EnvClient:
         await ws.close()
 
     @staticmethod
-    def _observation(reply: ObservationMessage | StateMessage | ErrorMessage) -> ObservationData:
+    def _observation(reply: ServerMessageT, kind: type[ObsT]) -> StepResult[ObsT]:
         if not isinstance(reply, ObservationMessage):
             raise EnvClientError(f"expected an observation reply, got {reply.type!r}")
-        return reply.data
+        obs = reply.data.observation
+        if not isinstance(obs, kind):
+            raise EnvClientError(f"expected a {kind.__name__}, got {type(obs).__name__}")
+        result = StepResult[Any](observation=obs, reward=reply.data.reward, done=reply.data.done)
+        return cast("StepResult[ObsT]", result)
 
-    async def _request(
-        self, message: dict[str, Any], limit_s: float
-    ) -> ObservationMessage | StateMessage | ErrorMessage:
+    async def _request(self, message: dict[str, Any], limit_s: float) -> ServerMessageT:
         is_reset = message["type"] == "reset"
         async with self._lock:
             if is_reset:  # a reset replaces the episode: nothing left to lose
@@ -194,16 +222,17 @@ class EnvClient:
                 except websockets.ConnectionClosed as again:
                     raise self._closed_error(again) from again
         if isinstance(reply, ErrorMessage):
-            if reply.data.code.value in _EPISODE_OVER_CODES:
+            reason = reply.data.reason
+            if reply.data.code.value == "SESSION_ERROR" or reason in _EPISODE_OVER_REASONS:
                 self._in_episode = False
             raise EnvServerError(reply.data)
+        if isinstance(reply, McpReply):
+            raise EnvClientError("the server answered a JSON-RPC frame to a step")
         if isinstance(reply, ObservationMessage):
             self._in_episode = not reply.data.done
         return reply
 
-    async def _exchange(
-        self, message: dict[str, Any], limit_s: float
-    ) -> ObservationMessage | StateMessage | ErrorMessage:
+    async def _exchange(self, message: dict[str, Any], limit_s: float) -> ServerMessageT:
         """Send ``message`` and return its reply (ConnectionClosed passes through)."""
         await self.connect()
         ws = self._ws
@@ -242,7 +271,7 @@ class EnvClient:
             )
 
     @staticmethod
-    def _parse(frame: str | bytes) -> ObservationMessage | StateMessage | ErrorMessage:
+    def _parse(frame: str | bytes) -> ServerMessageT:
         try:
             return SERVER_MESSAGE.validate_json(frame)
         except ValidationError as exc:

@@ -27,24 +27,30 @@ from corral.envs.hosting import (
     InProcessHost,
 )
 from corral.envs.protocol import (
-    CallTool,
-    EpisodeObservation,
+    EPISODE_ENDING_TOOL_ERRORS,
+    CallToolAction,
+    CallToolObservation,
+    EpisodeState,
     ErrorCode,
-    ObservationData,
+    ListToolsObservation,
+    McpTool,
+    Reason,
     ResetData,
+    ResetObservation,
+    StepResult,
+    ToolError,
+    ToolErrorType,
+    ToolResult,
 )
 
-END_TURN_SCHEMA: dict[str, Any] = {
-    "type": "function",
-    "function": {
-        "name": END_TURN_TOOL,
-        "description": "End your turn, with your answer for this turn.",
-        "parameters": {
-            "type": "object",
-            "properties": {"answer": {"type": "string", "description": "Your answer."}},
-        },
+END_TURN_MCP = McpTool(
+    name=END_TURN_TOOL,
+    description="End your turn, with your answer for this turn.",
+    input_schema={
+        "type": "object",
+        "properties": {"answer": {"type": "string", "description": "Your answer."}},
     },
-}
+)
 # WebSocket close code on shutdown (RFC 6455: going away).
 GOING_AWAY = 1001
 SHUTDOWN_REASON = "the env server is shutting down; the episode is over"
@@ -55,12 +61,27 @@ DEFAULT_MAX_CONCURRENT_ENVS = 64
 
 
 class ServerError(Exception):
-    """A request the server refuses: becomes an ``error`` reply with ``code`` and ``extra``."""
+    """A request the server refuses: becomes an ``error`` reply with ``code``, ``reason`` and
+    ``extra`` (ErrorData's optional fields)."""
 
-    def __init__(self, code: ErrorCode, message: str, **extra: Any) -> None:
+    def __init__(
+        self, code: ErrorCode, message: str, reason: Reason | None = None, **extra: Any
+    ) -> None:
         super().__init__(message)
         self.code = code
+        self.reason = reason
+        if code == ErrorCode.VALIDATION_ERROR and "errors" not in extra:
+            # OpenEnv's VALIDATION_ERROR always lists what was wrong.
+            extra["errors"] = [{"loc": [], "msg": message, "type": reason or "invalid"}]
         self.extra = extra
+
+
+class _EnvBroke(Exception):
+    """The env overran its deadline, raised or died: the episode is over (internal)."""
+
+    def __init__(self, error_type: ToolErrorType, message: str) -> None:
+        super().__init__(message)
+        self.error_type = error_type
 
 
 # Combines the verifier's named scores into the episode's reward (``build_app(reward=...)``
@@ -68,9 +89,24 @@ class ServerError(Exception):
 RewardFn = Callable[[dict[str, float]], float]
 
 
+def bundle_tools(bundle: Bundle, task: Task | None = None) -> list[McpTool]:
+    """The tools (``task``'s, or every tool of the bundle) in MCP's shape, ``end_turn`` last
+    (the server provides it)."""
+    specs = bundle.tools_for(task) if task is not None else bundle.manifest.tools
+    return [t.mcp() for t in specs] + [END_TURN_MCP]
+
+
 def task_tools(bundle: Bundle, task: Task) -> list[dict[str, Any]]:
-    """The task's tools in OpenAI's schema, ``end_turn`` last (the server provides it)."""
-    return [t.openai() for t in bundle.tools_for(task)] + [END_TURN_SCHEMA]
+    """The task's tools in OpenAI's schema, ``end_turn`` last (the task API serves these)."""
+    return [t.openai() for t in bundle_tools(bundle, task)]
+
+
+def json_size(value: Any) -> int | None:
+    """``value``'s size as compact JSON in bytes, or None when it is not JSON data."""
+    try:
+        return len(json.dumps(value, separators=(",", ":")).encode())
+    except (TypeError, ValueError, RecursionError):
+        return None
 
 
 class Metrics:
@@ -92,12 +128,13 @@ class Metrics:
 
 
 class Episode:
-    """One env playing one task. Not thread-safe: one socket drives it, one message at a time.
+    """One env playing one task. Not thread-safe: one caller drives it, one call at a time
+    (``lock`` serialises callers that share it, e.g. HTTP requests naming the episode).
 
-    ``step`` never raises for the model's mistakes (bad arguments, an unknown tool): those are
-    tool-error observations and the episode goes on. It raises :class:`ServerError` for a step
-    after the end (``EPISODE_DONE``), an env that raised (``EXECUTION_ERROR``) or overran the
-    tool timeout (``TOOL_TIMEOUT``); the last two end the episode.
+    ``step`` answers every tool failure as an observation: the model's mistakes (an unknown
+    tool, bad or oversized arguments) and the env's refusals go on; an env past the tool
+    timeout, or one that raised or died, ends the episode (done, reward null, status
+    ``error``). It raises :class:`ServerError` only for a step after the end.
     """
 
     def __init__(
@@ -113,8 +150,9 @@ class Episode:
         self.bundle = bundle
         self.task = task
         self.env = env
-        self.tools = task_tools(bundle, task)
-        self._tool_names = {t["function"]["name"] for t in self.tools}
+        self.tools = bundle_tools(bundle, task)
+        self._tool_names = {t.name for t in self.tools}
+        self.limits = bundle.manifest.limits
         self.turn = 0
         self.steps = 0
         self.done = False
@@ -123,64 +161,151 @@ class Episode:
         self.busy = False  # a step in flight: the reaper leaves the episode alone
         self.closed_as: str | None = None  # set by the manager: "reaped", "shutdown", ...
         self.final_state: dict[str, Any] | None = None  # read at the end, before the env goes
+        self.lock = asyncio.Lock()
         self._release: asyncio.Future[None] | None = None
 
-    def observation(self, content: str = "", **fields: Any) -> EpisodeObservation:
-        return EpisodeObservation(
-            content=content,
+    def reset_observation(self, prompt: str) -> StepResult[ResetObservation]:
+        obs = ResetObservation(
+            prompt=prompt,
+            system_prompt=self.bundle.manifest.system_prompt,
+            tools=self.tools,
             task_id=self.task.id,
-            turn=self.turn,
-            step=self.steps,
-            status=self.status,  # type: ignore[arg-type]  # always one of the literals
+            episode_id=self.id,
+        )
+        return StepResult[ResetObservation](observation=obs)
+
+    def list_tools(self) -> StepResult[ListToolsObservation]:
+        obs = ListToolsObservation(tools=self.tools, **self._fields())
+        return StepResult[ListToolsObservation](observation=obs, done=self.done)
+
+    def _fields(self) -> dict[str, Any]:
+        return {
+            "task_id": self.task.id,
+            "turn": self.turn,
+            "step": self.steps,
+            "status": self.status,
+        }
+
+    def _answer(
+        self,
+        name: str,
+        text: str,
+        *,
+        is_error: bool = False,
+        reward: float | None = None,
+        **fields: Any,
+    ) -> StepResult[CallToolObservation]:
+        obs = CallToolObservation(
+            tool_name=name,
+            result=ToolResult.of(text, is_error=is_error),
+            **self._fields(),
             **fields,
         )
+        return StepResult[CallToolObservation](observation=obs, reward=reward, done=self.done)
 
-    async def step(self, call: CallTool, tool_timeout: float) -> ObservationData:
+    def _refusal(
+        self, name: str, error_type: ToolErrorType, message: str
+    ) -> StepResult[CallToolObservation]:
+        obs = CallToolObservation(
+            tool_name=name,
+            error=ToolError(error_type=error_type, message=message),
+            **self._fields(),
+        )
+        return StepResult[CallToolObservation](observation=obs, done=self.done)
+
+    async def step(
+        self, call: CallToolAction, tool_timeout: float
+    ) -> StepResult[CallToolObservation]:
         if self.done:
-            raise ServerError(ErrorCode.EPISODE_DONE, "the episode is over; reset to play again")
+            raise ServerError(
+                ErrorCode.EXECUTION_ERROR,
+                "the episode is over; reset to play again",
+                Reason.EPISODE_DONE,
+            )
         self.steps += 1
+        name = call.tool_name
         arguments = _arguments(call.arguments)
         if isinstance(arguments, str):
-            return ObservationData(observation=self.observation(arguments, tool_error=True))
-        if call.name not in self._tool_names:
+            return self._refusal(name, ToolErrorType.INVALID_ARGS, arguments)
+        size = json_size(arguments)
+        if size is None or size > self.limits.max_call_bytes:
+            return self._refusal(
+                name,
+                ToolErrorType.INVALID_ARGS,
+                f"error: the arguments are {size if size is not None else 'too many'} bytes as "
+                f"JSON, over this env's limit of {self.limits.max_call_bytes} (max_call_bytes)",
+            )
+        if name not in self._tool_names:
             names = sorted(self._tool_names)
-            return ObservationData(
-                observation=self.observation(
-                    f"error: unknown tool {call.name!r}; the tools are {names}", tool_error=True
+            return self._refusal(
+                name,
+                ToolErrorType.TOOL_NOT_FOUND,
+                f"error: unknown tool {name!r}; the tools are {names}",
+            )
+        try:
+            if name == END_TURN_TOOL:
+                return await self._end_turn(arguments, tool_timeout)
+            outcome = await self._run(self.env.call_tool(name, arguments), limit_s=tool_timeout)
+            if outcome.done:
+                return await self.finish(
+                    name, outcome.content, is_error=outcome.error, limit_s=tool_timeout
                 )
-            )
-        if call.name == END_TURN_TOOL:
-            return await self._end_turn(arguments, tool_timeout)
-        outcome = await self._run(self.env.call_tool(call.name, arguments), limit_s=tool_timeout)
-        if outcome.done:
-            return await self.finish(
-                outcome.content, tool_error=outcome.error, limit_s=tool_timeout
-            )
-        return ObservationData(
-            observation=self.observation(outcome.content, tool_error=outcome.error)
-        )
+            return self._answer(name, outcome.content, is_error=outcome.error)
+        except _EnvBroke as broke:
+            assert broke.error_type in EPISODE_ENDING_TOOL_ERRORS
+            return self._refusal(name, broke.error_type, str(broke))
 
-    async def _end_turn(self, arguments: dict[str, Any], tool_timeout: float) -> ObservationData:
+    async def _end_turn(
+        self, arguments: dict[str, Any], tool_timeout: float
+    ) -> StepResult[CallToolObservation]:
         """End the turn. An env with an ``end_turn(arguments) -> ToolOutcome`` method gets the
         answer and returns the next turn's prompt; for any other env ending the turn ends the
         episode. ``max_turns`` ends it in any case."""
         self.turn += 1
         if not self.env.has_end_turn:
-            return await self.finish("turn ended; the episode is over", limit_s=tool_timeout)
+            return await self.finish(
+                END_TURN_TOOL, "turn ended; the episode is over", limit_s=tool_timeout
+            )
         outcome = await self._run(self.env.end_turn(arguments), limit_s=tool_timeout)
         if outcome.done or self.turn >= self.bundle.manifest.max_turns:
-            return await self.finish(outcome.content, limit_s=tool_timeout)
-        return ObservationData(observation=self.observation(outcome.content))
+            return await self.finish(END_TURN_TOOL, outcome.content, limit_s=tool_timeout)
+        return self._answer(END_TURN_TOOL, outcome.content)
+
+    async def read_state(self, limit_s: float) -> dict[str, Any]:
+        """The env's state, within ``limit_s`` and ``max_state_bytes``. A failure, an overrun
+        or an oversized state ends the episode and raises ServerError."""
+        if self.final_state is not None:
+            return self.final_state
+        try:
+            return await self._state(limit_s)
+        except _EnvBroke as broke:
+            reason = Reason.STATE_TOO_LARGE if "max_state_bytes" in str(broke) else None
+            raise ServerError(ErrorCode.EXECUTION_ERROR, str(broke), reason) from None
+
+    async def _state(self, limit_s: float) -> dict[str, Any]:
+        state = await self._run(self.env.state(), limit_s=limit_s)
+        size = json_size(state)
+        if size is None or size > self.limits.max_state_bytes:
+            self.done, self.status = True, "error"
+            await self.env.close()
+            what = f"{size} bytes as JSON" if size is not None else "not JSON data"
+            raise _EnvBroke(
+                ToolErrorType.EXECUTION_ERROR,
+                f"the env's state is {what}, over this env's limit of "
+                f"{self.limits.max_state_bytes} bytes (max_state_bytes)",
+            )
+        return dict(state)
 
     async def finish(
-        self, content: str, *, limit_s: float, tool_error: bool = False
-    ) -> ObservationData:
+        self, name: str, text: str, *, limit_s: float, is_error: bool = False
+    ) -> StepResult[CallToolObservation]:
         """End the episode and grade it: ``reward`` is the bundle's reward of the verifier's
-        scores, or ``None`` with status ``error`` when the verifier (or reward) fails. The env
-        is released (its sandbox removed) once its state is read."""
+        scores, or ``None`` with status ``error`` (and ``grade_error``) when the state cannot
+        be read or the verifier (or reward) fails. The env is released (its sandbox removed)
+        once its state is read."""
         self.done = True
         try:
-            state = await self._run(self.env.state(), limit_s=limit_s)
+            state = await self._state(limit_s)
             self.final_state = state
             # Released now, not awaited: the reply need not wait for a container's removal
             # (the handle keeps the teardown; the manager's close awaits it).
@@ -194,36 +319,28 @@ class Episode:
         except Exception as exc:  # a custom reward function may raise anything: flag it
             self.status = "error"
             await self.env.close()
-            return ObservationData(
-                observation=self.observation(content, tool_error=tool_error, error=str(exc)),
-                reward=None,
-                done=True,
-            )
+            return self._answer(name, text, is_error=is_error, grade_error=str(exc))
         self.status = "graded"
-        return ObservationData(
-            observation=self.observation(content, tool_error=tool_error, scores=scores),
-            reward=reward,
-            done=True,
-        )
+        return self._answer(name, text, is_error=is_error, reward=reward, scores=scores)
 
     async def _run(self, call: Awaitable[Any], *, limit_s: float) -> Any:
         """Await env code (or the verifier) within ``limit_s``. An overrun or a failure ends
         the episode (the env's state is no longer trustworthy), releases the env (a sandboxed
-        one is killed, which stops the work) and raises ServerError."""
+        one is killed, which stops the work) and raises _EnvBroke."""
         try:
             return await asyncio.wait_for(call, limit_s)
         except (VerifierError, RewardError):
             raise
         except Exception as exc:
             if isinstance(exc, TimeoutError):
-                error = ServerError(
-                    ErrorCode.TOOL_TIMEOUT, f"the env did not answer within {limit_s:g} s"
+                error = _EnvBroke(
+                    ToolErrorType.TIMEOUT, f"the env did not answer within {limit_s:g} s"
                 )
             elif isinstance(exc, EnvFailure):
-                error = ServerError(ErrorCode.EXECUTION_ERROR, str(exc))
+                error = _EnvBroke(ToolErrorType.EXECUTION_ERROR, str(exc))
             else:
-                error = ServerError(
-                    ErrorCode.EXECUTION_ERROR, f"the env raised {type(exc).__name__}: {exc}"
+                error = _EnvBroke(
+                    ToolErrorType.EXECUTION_ERROR, f"the env raised {type(exc).__name__}: {exc}"
                 )
             self.done, self.status = True, "error"
             await self.env.close()
@@ -238,6 +355,8 @@ def _arguments(raw: Any) -> dict[str, Any] | str:
             raw = json.loads(raw)
         except json.JSONDecodeError as exc:
             return f"error: the arguments are not valid JSON ({exc.msg}); send a JSON object"
+        except RecursionError:
+            return "error: the arguments nest too deeply; send a flat JSON object"
     if not isinstance(raw, dict):
         kind = "an array" if isinstance(raw, list) else f"{json.dumps(raw)[:40]}"
         return f"error: the arguments must be a JSON object, got {kind}"
@@ -247,9 +366,10 @@ def _arguments(raw: Any) -> dict[str, Any] | str:
 class EpisodeManager:
     """Every live episode of one server: capacity, creation, closing and idle reaping.
 
-    At most ``max_concurrent_envs`` episodes live at once. :meth:`open` waits for room up to
-    ``reset_timeout`` seconds, then raises ``CAPACITY_REACHED`` with the ``active`` and ``max``
-    counts. :meth:`reap_idle` closes episodes idle longer than ``idle_timeout``. Must be used
+    At most ``max_concurrent_envs`` episodes live at once (socket and HTTP episodes alike).
+    :meth:`open` waits for room up to ``reset_timeout`` seconds, then raises
+    ``CAPACITY_REACHED`` with the ``active_sessions`` and ``max_sessions`` counts.
+    :meth:`reap_idle` closes episodes idle longer than ``idle_timeout``. Must be used
     from one event loop. ``on_capacity_wait`` (if set) is called each time a reset starts
     waiting for room, ``on_reap`` (if set) with each episode the reaper closes: hooks for tests
     and logs (called on the event loop; keep them short). :meth:`shutdown` refuses new
@@ -304,10 +424,12 @@ class EpisodeManager:
             index = data.seed % count if data.seed is not None else next(self._next_task) % count
             return self.bundle.task(split, index)
         except TaskNotFound as exc:
-            raise ServerError(ErrorCode.TASK_NOT_FOUND, str(exc)) from None
+            raise ServerError(ErrorCode.VALIDATION_ERROR, str(exc), Reason.TASK_NOT_FOUND) from None
 
-    async def open(self, task: Task) -> tuple[Episode, str]:
-        """A new episode on ``task`` and its first observation text (the env's reset)."""
+    async def open(self, task: Task, episode_id: str | None = None) -> tuple[Episode, str]:
+        """A new episode on ``task`` and its first observation text (the env's reset). The
+        episode's id is ``episode_id`` when given and no live episode has it, else the
+        server's own."""
         await self._take_slot()
         env: EnvHandle | None = None
         try:
@@ -326,10 +448,69 @@ class EpisodeManager:
         if self.closing:  # shut down while the env was starting
             await env.close()
             await self._give_slot()
-            raise ServerError(ErrorCode.SESSION_ERROR, SHUTDOWN_REASON)
-        episode = Episode(f"ep-{next(self._ids)}", self.bundle, task, env, self.reward)
+            raise ServerError(ErrorCode.SESSION_ERROR, SHUTDOWN_REASON, Reason.SHUTDOWN)
+        if episode_id is None or episode_id in self._episodes:
+            episode_id = f"ep-{next(self._ids)}"
+            while episode_id in self._episodes:  # a client took this id for its own
+                episode_id = f"ep-{next(self._ids)}"
+        episode = Episode(episode_id, self.bundle, task, env, self.reward)
         self._episodes[episode.id] = episode
         return episode, prompt
+
+    async def start(self, data: ResetData) -> tuple[Episode, StepResult[ResetObservation]]:
+        """Find ``data``'s task and open an episode on it: the episode and its observation."""
+        task = self.find_task(data)
+        episode, prompt = await self.open(task, data.episode_id)
+        return episode, episode.reset_observation(prompt)
+
+    async def step(self, episode: Episode, call: CallToolAction) -> StepResult[CallToolObservation]:
+        """One tool call on a live episode (serialised on its lock), counted in the metrics;
+        an episode that ends frees its slot (the object stays, so later steps get
+        ``episode_done`` rather than ``no_episode``)."""
+        async with episode.lock:
+            self.check_live(episode)
+            episode.busy = True
+            started = time.perf_counter()
+            try:
+                out = await episode.step(call, self.tool_timeout)
+            except ServerError as exc:
+                self.metrics.steps.labels(outcome=(exc.reason or exc.code).value).inc()
+                raise
+            finally:
+                episode.busy = False
+                episode.last_active = time.monotonic()
+                self.metrics.step_seconds.observe(time.perf_counter() - started)
+            obs = out.observation
+            # "tool_error": the model's mistakes and the env's refusals (the episode goes on);
+            # "timeout" / "execution_error": the env failed and the episode ended.
+            outcome = "tool_error" if obs.is_error else "ok"
+            if obs.error is not None and obs.error.error_type in EPISODE_ENDING_TOOL_ERRORS:
+                outcome = obs.error.error_type.value
+            self.metrics.steps.labels(outcome=outcome).inc()
+            if out.done:
+                await self.close(episode)
+            return out
+
+    async def state(self, episode: Episode) -> EpisodeState:
+        """The episode's state (the env's under ``env``); one over ``max_state_bytes`` ends
+        the episode and raises ServerError naming the limit."""
+        async with episode.lock:
+            self.check_live(episode)
+            episode.last_active = time.monotonic()
+            try:
+                env_state = await episode.read_state(self.tool_timeout)
+            finally:
+                if episode.done and episode.status == "error":
+                    await self.close(episode)
+            return EpisodeState(
+                episode_id=episode.id,
+                step_count=episode.steps,
+                done=episode.done,
+                task_id=episode.task.id,
+                turn=episode.turn,
+                status=episode.status,  # type: ignore[arg-type]  # always one of the literals
+                env=env_state,
+            )
 
     async def close(self, episode: Episode, status: str | None = None) -> None:
         """Forget ``episode`` and free its slot (idempotent)."""
@@ -367,7 +548,18 @@ class EpisodeManager:
 
     def _refuse_if_closing(self) -> None:
         if self.closing:
-            raise ServerError(ErrorCode.SESSION_ERROR, SHUTDOWN_REASON)
+            raise ServerError(ErrorCode.SESSION_ERROR, SHUTDOWN_REASON, Reason.SHUTDOWN)
+
+    def check_live(self, episode: Episode) -> None:
+        """Raise the SESSION_ERROR for an episode the server closed (reaped, shut down)."""
+        if episode.closed_as == "shutdown":
+            raise ServerError(ErrorCode.SESSION_ERROR, SHUTDOWN_REASON, Reason.SHUTDOWN)
+        if episode.closed_as == "reaped":
+            raise ServerError(
+                ErrorCode.SESSION_ERROR,
+                f"the episode was closed after {self.idle_timeout:g} s idle; reset again",
+                Reason.REAPED,
+            )
 
     def is_open(self, episode: Episode) -> bool:
         return episode.id in self._episodes
@@ -410,8 +602,8 @@ class EpisodeManager:
                         ErrorCode.CAPACITY_REACHED,
                         f"the server is full ({self._slots} of {self.max} episodes live) and no "
                         f"room freed within {self.reset_timeout:g} s",
-                        active=self._slots,
-                        max=self.max,
+                        active_sessions=self._slots,
+                        max_sessions=self.max,
                     ) from None
                 finally:
                     self.metrics.waiting.dec()

@@ -1,36 +1,52 @@
-"""The env server's WebSocket messages, as typed models (one JSON object per text frame).
+"""The env server's wire format, as typed models: OpenEnv's MCP actions and observations.
 
-The shapes are OpenEnv's, so an OpenEnv client can play an episode:
+One shape steps every episode, whichever way it travels (the WebSocket ``/ws``, HTTP
+``/reset`` + ``/step``, JSON-RPC ``/mcp``), so an OpenEnv client plays corral's server
+unchanged. On ``/ws`` each text frame is one JSON object:
 
-- client -> server: ``{"type": "reset", "data": {...}}``, ``{"type": "step", "data": {...}}``,
-  ``{"type": "state"}``, ``{"type": "close"}``;
+- client -> server: ``{"type": "reset", "data": {...}}``, ``{"type": "step", "data":
+  <action>}``, ``{"type": "state"}``, ``{"type": "close"}``, ``{"type": "mcp", "data":
+  <JSON-RPC request>}``;
 - server -> client: ``{"type": "observation", "data": {"observation": {...}, "reward": r,
-  "done": d}}``, ``{"type": "state", "data": {...}}``, ``{"type": "error", "data": {"message":
-  ..., "code": ...}}``.
+  "done": d}}``, ``{"type": "state", "data": {...}}``, ``{"type": "mcp", "data": <JSON-RPC
+  response>}``, ``{"type": "error", "data": {"message": ..., "code": ..., ...}}``.
 
-corral's extensions, all optional for an OpenEnv client:
-
-- ``reset``'s data names the task: ``{"split": "eval", "index": 3}`` or ``{"task_id": "..."}``;
-- ``step``'s data is one action: ``{"call_tool": {"name": ..., "arguments": {...}}}`` or
-  ``{"list_tools": {}}``;
-- every client message may carry ``request_id`` (a string or an integer), which the reply
-  echoes; a reply to a message without one carries none;
-- error data may carry more fields than ``message`` and ``code`` (``CAPACITY_REACHED`` adds
-  ``active`` and ``max``).
+An action is OpenEnv's: ``{"type": "list_tools"}`` or ``{"type": "call_tool", "tool_name":
+..., "arguments": {...}}`` (either may carry ``metadata``). Observations: :class:`ResetObservation`
+after a reset, :class:`ListToolsObservation` after ``list_tools``, :class:`CallToolObservation`
+after a call. corral's extensions, all optional for an OpenEnv client: ``reset``'s data may
+name the task (``split`` + ``index``, or ``task_id``); every client frame may carry
+``request_id`` (a string or an integer), which the reply echoes; error data carries a
+``reason`` finer than its OpenEnv ``code``.
 """
 
 from __future__ import annotations
 
+import json
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    SerializerFunctionWrapHandler,
+    Tag,
+    TypeAdapter,
+    model_serializer,
+    model_validator,
+)
 
 RequestId = str | int
 
+# Frames nested deeper than this are refused before validation (json.loads itself gives up
+# near Python's recursion limit; pydantic and json.dumps would recurse as deep).
+MAX_FRAME_DEPTH = 64
+
 
 class ErrorCode(StrEnum):
-    """``error`` codes: OpenEnv's (first seven) and corral's own."""
+    """``error`` codes: exactly OpenEnv's seven (corral's finer cases are ``reason``)."""
 
     INVALID_JSON = "INVALID_JSON"
     UNKNOWN_TYPE = "UNKNOWN_TYPE"
@@ -39,16 +55,53 @@ class ErrorCode(StrEnum):
     CAPACITY_REACHED = "CAPACITY_REACHED"
     FACTORY_ERROR = "FACTORY_ERROR"
     SESSION_ERROR = "SESSION_ERROR"
-    # corral's: a reset naming no task; a step or state with no live episode on the socket; a
-    # step after the episode ended; a tool call that overran the server's tool timeout.
-    TASK_NOT_FOUND = "TASK_NOT_FOUND"
-    NO_EPISODE = "NO_EPISODE"
-    EPISODE_DONE = "EPISODE_DONE"
-    TOOL_TIMEOUT = "TOOL_TIMEOUT"
+
+
+class Reason(StrEnum):
+    """corral's finer error cases, in an error's ``reason`` field."""
+
+    TASK_NOT_FOUND = "task_not_found"  # VALIDATION_ERROR: the reset names no task
+    NO_EPISODE = "no_episode"  # EXECUTION_ERROR: a step or state with no episode
+    EPISODE_DONE = "episode_done"  # EXECUTION_ERROR: a step after the episode ended
+    REAPED = "reaped"  # SESSION_ERROR: the episode idled past idle_timeout
+    SHUTDOWN = "shutdown"  # SESSION_ERROR: the server is shutting down
+    TOO_DEEP = "too_deep"  # VALIDATION_ERROR: a frame nested past MAX_FRAME_DEPTH
+    OLD_SHAPE = "old_shape"  # VALIDATION_ERROR: corral's pre-OpenEnv step shape
+    STATE_TOO_LARGE = "state_too_large"  # EXECUTION_ERROR: state over max_state_bytes
+
+
+class ToolErrorType(StrEnum):
+    """OpenEnv's categories of a framework-detected tool failure."""
+
+    EXECUTION_ERROR = "execution_error"
+    INVALID_ARGS = "invalid_args"
+    TRANSPORT_ERROR = "transport_error"
+    TOOL_NOT_FOUND = "tool_not_found"
+    TIMEOUT = "timeout"
+
+
+# Tool failures after which the env's state cannot be trusted: the episode ends.
+EPISODE_ENDING_TOOL_ERRORS = frozenset({ToolErrorType.TIMEOUT, ToolErrorType.EXECUTION_ERROR})
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+def depth(value: Any) -> int:
+    """How deeply ``value`` (parsed JSON) nests lists and objects, without recursing."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, level)
+        stack.extend((child, level + 1) for child in children)
+    return deepest
 
 
 # ---------------------------------------------------------------------------------------------
@@ -60,14 +113,15 @@ class ResetData(_Strict):
 
     Neither is what OpenEnv's own ``reset()`` sends (optionally with ``seed`` and
     ``episode_id``): the server then picks a task of its default split, ``seed`` mod the split's
-    size when a seed is given (reproducible), else the next task in turn.
+    size when a seed is given (reproducible), else the next task in turn. ``episode_id`` names
+    the episode when no live episode has that id already.
     """
 
     split: str | None = None
     index: int | None = Field(default=None, ge=0)
     task_id: str | None = None
-    seed: int | None = None
-    episode_id: str | None = None
+    seed: int | None = Field(default=None, ge=0)
+    episode_id: str | None = Field(default=None, min_length=1, max_length=255)
 
     @model_validator(mode="after")
     def _one_task(self) -> ResetData:
@@ -78,36 +132,37 @@ class ResetData(_Strict):
             raise ValueError('name a task by both "split" and "index"')
         return self
 
-    @property
-    def names_a_task(self) -> bool:
-        return self.task_id is not None or self.split is not None
+
+class ListToolsAction(_Strict):
+    """OpenEnv's ``ListToolsAction``: the tools (needs no reset)."""
+
+    type: Literal["list_tools"] = "list_tools"
+    metadata: dict[str, Any] = Field(default_factory=dict)
 
 
-class CallTool(_Strict):
-    """One tool call. ``arguments`` is deliberately untyped here: arguments that are not a JSON
-    object (or a string holding one, as OpenAI writes them) are the model's mistake, answered
-    as a tool error observation, not a protocol error."""
+class CallToolAction(_Strict):
+    """OpenEnv's ``CallToolAction``. ``arguments`` is deliberately untyped here: arguments
+    that are not a JSON object (or a string holding one, as OpenAI writes them) are the
+    model's mistake, answered as an ``invalid_args`` tool error, not a protocol error."""
 
-    name: str
+    type: Literal["call_tool"] = "call_tool"
+    tool_name: str
     arguments: Any = Field(default_factory=dict)
+    metadata: dict[str, Any] = Field(default_factory=dict)
 
 
-class StepAction(_Strict):
-    """A step's data: exactly one of ``call_tool`` or ``list_tools`` (whose value is ``{}``)."""
-
-    call_tool: CallTool | None = None
-    list_tools: dict[str, Any] | None = None
-
-    @model_validator(mode="after")
-    def _one_action(self) -> StepAction:
-        if (self.call_tool is None) == (self.list_tools is None):
-            raise ValueError('a step holds exactly one of "call_tool" or "list_tools"')
-        return self
+StepAction = Annotated[ListToolsAction | CallToolAction, Field(discriminator="type")]
+STEP_ACTION: TypeAdapter[ListToolsAction | CallToolAction] = TypeAdapter(StepAction)
+# The shape a step's data had before it was OpenEnv's: named in the refusal.
+NEW_SHAPE_HINT = (
+    'a step\'s data is {"type": "call_tool", "tool_name": ..., "arguments": {...}} or '
+    '{"type": "list_tools"}'
+)
 
 
 class ResetMessage(_Strict):
     type: Literal["reset"] = "reset"
-    data: ResetData
+    data: ResetData = Field(default_factory=ResetData)
     request_id: RequestId | None = None
 
 
@@ -127,48 +182,205 @@ class CloseMessage(_Strict):
     request_id: RequestId | None = None
 
 
-ClientMessage = Annotated[
-    ResetMessage | StepMessage | StateRequest | CloseMessage, Field(discriminator="type")
-]
-CLIENT_MESSAGE: TypeAdapter[ResetMessage | StepMessage | StateRequest | CloseMessage] = TypeAdapter(
-    ClientMessage
+class McpMessage(_Strict):
+    """OpenEnv's ``WSMCPMessage``: a JSON-RPC request on ``/ws`` (checked by the handler)."""
+
+    type: Literal["mcp"] = "mcp"
+    data: Any
+    request_id: RequestId | None = None
+
+
+ClientMessageT = ResetMessage | StepMessage | StateRequest | CloseMessage | McpMessage
+CLIENT_MESSAGE: TypeAdapter[ClientMessageT] = TypeAdapter(
+    Annotated[ClientMessageT, Field(discriminator="type")]
 )
-CLIENT_TYPES = ("reset", "step", "state", "close")
+CLIENT_TYPES = ("reset", "step", "state", "close", "mcp")
 
 
 # ---------------------------------------------------------------------------------------------
-# server -> client
+# server -> client: tools and results
 
 
-class EpisodeObservation(BaseModel):
-    """What the model sees after a reset or step (``data.observation``).
+class McpTool(_Strict):
+    """A tool as MCP (and OpenEnv's ``Tool``) lists it."""
 
-    ``content``: the prompt after a reset, the tool's message after a call. ``tool_error``: the
-    call was refused (unknown tool, bad arguments) and the episode goes on. ``tools``: the
-    task's tools in OpenAI's schema, ``end_turn`` included (on reset and ``list_tools``).
-    ``status``: ``running``, then ``graded`` when the verifier scored the episode, or ``error``
-    when it could not (``error`` says why; the reward is then null, never 0).
-    """
+    name: str
+    description: str
+    input_schema: dict[str, Any]
 
-    model_config = ConfigDict(extra="allow")
+    def openai(self) -> dict[str, Any]:
+        """The tool in OpenAI's chat-completions ``tools`` shape (what a model is shown)."""
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": self.input_schema,
+            },
+        }
 
-    content: str = ""
-    tool_error: bool = False
+
+class TextContent(_Strict):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ToolResult(_Strict):
+    """A tool's answer, shaped as OpenEnv serializes a FastMCP ``CallToolResult``: ``data`` is
+    what ``MCPToolClient.call_tool`` returns (the text), ``is_error`` marks the env's own
+    refusal (a bad argument value): the episode goes on."""
+
+    content: list[TextContent]
+    structured_content: None = None
+    data: str
+    is_error: bool = False
+
+    @classmethod
+    def of(cls, text: str, *, is_error: bool = False) -> ToolResult:
+        return cls(content=[TextContent(text=text)], data=text, is_error=is_error)
+
+
+class ToolError(_Strict):
+    """A failure the server detected (not the env's answer): unknown tool, bad arguments,
+    an env past the tool timeout, an env that raised or died."""
+
+    error_type: ToolErrorType
+    message: str
+
+
+Status = Literal["running", "graded", "error"]
+
+
+class EpisodeFields(BaseModel):
+    """corral's episode fields on an observation. ``status``: ``running``, then ``graded``
+    when the verifier scored the episode, or ``error`` when it could not (``grade_error`` says
+    why; the reward is then null, never 0)."""
+
+    model_config = ConfigDict(extra="forbid")
+
     task_id: str | None = None
     turn: int = 0
     step: int = 0
-    status: Literal["running", "graded", "error"] = "running"
-    tools: list[dict[str, Any]] | None = None
+    status: Status = "running"
     scores: dict[str, float] | None = None
-    error: str | None = None
+    grade_error: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _present_only(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """``scores`` / ``grade_error`` appear once there are some; with no episode (a
+        ``list_tools`` before any reset) no episode field appears."""
+        data = dict(handler(self))
+        for key in ("scores", "grade_error"):
+            if data.get(key) is None:
+                data.pop(key, None)
+        if self.task_id is None:
+            for key in ("task_id", "turn", "step", "status"):
+                data.pop(key, None)
+        return data
+
+
+class ResetObservation(_Strict):
+    """After a reset: the task's prompt, the system prompt and its tools (``end_turn`` last)."""
+
+    prompt: str
+    system_prompt: str
+    tools: list[McpTool]
+    task_id: str
+    episode_id: str
+    turn: int = 0
+    step: int = 0
+    status: Status = "running"
+
+    @property
+    def text(self) -> str:
+        return self.prompt
+
+    @property
+    def is_error(self) -> bool:
+        return False
+
+
+class ListToolsObservation(EpisodeFields):
+    """After ``list_tools``: the tools; the episode fields when the socket has an episode."""
+
+    tools: list[McpTool]
+
+    @property
+    def text(self) -> str:
+        return json.dumps([t.name for t in self.tools])
+
+    @property
+    def is_error(self) -> bool:
+        return False
+
+
+class CallToolObservation(EpisodeFields):
+    """After a call: OpenEnv's ``CallToolObservation`` (``tool_name``, ``result``, ``error``)
+    with corral's episode fields. Exactly one of ``result`` and ``error`` is set."""
+
+    tool_name: str
+    result: ToolResult | None = None
+    error: ToolError | None = None
+
+    @property
+    def text(self) -> str:
+        """What the model reads: the tool's text, or the error's message."""
+        if self.error is not None:
+            return self.error.message
+        return self.result.data if self.result is not None else ""
+
+    @property
+    def is_error(self) -> bool:
+        return self.error is not None or (self.result is not None and self.result.is_error)
+
+
+def _observation_kind(value: Any) -> str:
+    keys = value.keys() if isinstance(value, dict) else vars(value).keys()
+    if "prompt" in keys:
+        return "reset"
+    return "call" if "tool_name" in keys else "list"
+
+
+Observation = Annotated[
+    Annotated[ResetObservation, Tag("reset")]
+    | Annotated[ListToolsObservation, Tag("list")]
+    | Annotated[CallToolObservation, Tag("call")],
+    Discriminator(_observation_kind),
+]
+ObsT = TypeVar("ObsT", ResetObservation, ListToolsObservation, CallToolObservation)
+
+
+class StepResult(BaseModel, Generic[ObsT]):
+    """OpenEnv's serialized observation: the observation, its reward and whether it ended."""
+
+    observation: ObsT
+    reward: float | None = None
+    done: bool = False
 
 
 class ObservationData(BaseModel):
-    """OpenEnv's serialized observation: the observation, its reward and whether it ended."""
+    """A ``StepResult`` of any observation kind (what the ``observation`` frame carries)."""
 
-    observation: EpisodeObservation
+    observation: Observation
     reward: float | None = None
     done: bool = False
+
+
+class EpisodeState(BaseModel):
+    """A ``state`` reply: OpenEnv's ``episode_id`` and ``step_count``, corral's counters and
+    status, and the env's own state under ``env``."""
+
+    episode_id: str
+    step_count: int
+    done: bool
+    task_id: str
+    turn: int
+    status: Status
+    env: dict[str, Any]
+
+
+# ---------------------------------------------------------------------------------------------
+# server -> client: frames
 
 
 class ObservationMessage(BaseModel):
@@ -179,17 +391,31 @@ class ObservationMessage(BaseModel):
 
 class StateMessage(BaseModel):
     type: Literal["state"] = "state"
+    data: EpisodeState
+    request_id: RequestId | None = None
+
+
+class McpReply(BaseModel):
+    """OpenEnv's ``WSMCPResponse``: a JSON-RPC response."""
+
+    type: Literal["mcp"] = "mcp"
     data: dict[str, Any]
     request_id: RequestId | None = None
 
 
 class ErrorData(BaseModel):
-    """``message`` for people, ``code`` for programs; some codes add fields (extra allowed)."""
+    """``message`` for people, ``code`` (OpenEnv's) and ``reason`` (corral's) for programs.
+    ``VALIDATION_ERROR`` adds ``errors``; ``CAPACITY_REACHED`` adds ``active_sessions`` and
+    ``max_sessions``."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
     message: str
     code: ErrorCode
+    reason: Reason | None = None
+    errors: list[dict[str, Any]] | None = None
+    active_sessions: int | None = None
+    max_sessions: int | None = None
 
 
 class ErrorMessage(BaseModel):
@@ -198,22 +424,49 @@ class ErrorMessage(BaseModel):
     request_id: RequestId | None = None
 
 
-ServerMessage = Annotated[
-    ObservationMessage | StateMessage | ErrorMessage, Field(discriminator="type")
-]
-SERVER_MESSAGE: TypeAdapter[ObservationMessage | StateMessage | ErrorMessage] = TypeAdapter(
-    ServerMessage
+ServerMessageT = ObservationMessage | StateMessage | McpReply | ErrorMessage
+SERVER_MESSAGE: TypeAdapter[ServerMessageT] = TypeAdapter(
+    Annotated[ServerMessageT, Field(discriminator="type")]
 )
 
 
-def encode(message: ObservationMessage | StateMessage | ErrorMessage) -> str:
-    """The frame text of a server message; ``request_id`` appears only when there is one."""
+def encode(message: ServerMessageT) -> str:
+    """The frame text of a server message: ``request_id`` appears only when there is one, and
+    error fields only when set."""
+    if isinstance(message, ErrorMessage):
+        body: dict[str, Any] = {
+            "type": "error",
+            "data": message.data.model_dump(mode="json", exclude_none=True),
+        }
+        if message.request_id is not None:
+            body["request_id"] = message.request_id
+        return json.dumps(body)
     exclude = {"request_id"} if message.request_id is None else None
     return message.model_dump_json(exclude=exclude)
 
 
+def encode_observation(result: StepResult[Any], request_id: RequestId | None = None) -> str:
+    """The ``observation`` frame text of a step result (as :func:`encode` would write it)."""
+    body: dict[str, Any] = {"type": "observation", "data": result.model_dump(mode="json")}
+    if request_id is not None:
+        body["request_id"] = request_id
+    return json.dumps(body)
+
+
 def error_message(
-    code: ErrorCode, message: str, request_id: RequestId | None = None, **extra: Any
+    code: ErrorCode,
+    message: str,
+    request_id: RequestId | None = None,
+    **extra: Any,
 ) -> ErrorMessage:
-    """An ``error`` reply with ``code``, ``message`` and any extra fields (e.g. counts)."""
+    """An ``error`` reply with ``code``, ``message`` and any of ErrorData's extra fields."""
     return ErrorMessage(data=ErrorData(message=message, code=code, **extra), request_id=request_id)
+
+
+def json_safe_errors(errors: list[Any]) -> list[dict[str, Any]]:
+    """pydantic's ``errors()`` reduced to JSON data (``loc``, ``msg``, ``type``): its ``input``
+    and ``ctx`` may hold anything, even the whole frame."""
+    return [
+        {"loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg")), "type": e.get("type")}
+        for e in errors
+    ]

@@ -1,8 +1,12 @@
-"""Serve a bundle's episodes over WebSocket, its tasks over HTTP (``build_app``).
+"""Serve a bundle's episodes in OpenEnv's wire format (``build_app``): over WebSocket, HTTP
+and MCP JSON-RPC, with its tasks over HTTP.
 
 The FastAPI layer is thin: it authenticates, parses messages (:mod:`corral.envs.protocol`) and
-forwards them to an :class:`EpisodeManager` (capacity, idle reaping, timeouts) and
-:class:`Episode` (one env's life: reset, tool calls, turns, grading), which are plain classes.
+forwards them to :class:`~corral.envs.session.Session` (one socket),
+:class:`~corral.envs.http_episodes.HttpEpisodes` (episodes by id) and
+:class:`~corral.envs.mcp.McpHandler` (JSON-RPC), which drive an :class:`EpisodeManager`
+(capacity, idle reaping, timeouts) and its :class:`Episode` objects (one env's life: reset,
+tool calls, turns, grading): plain classes.
 
 The server speaks plain HTTP and WebSocket: the bearer token crosses the wire in clear text.
 Outside loopback, put a TLS-terminating proxy in front of it (e.g. Caddy ``reverse_proxy``
@@ -12,7 +16,7 @@ to 127.0.0.1.
 Where env code runs (:mod:`corral.envs.hosting`): with ``sandbox=None`` a bundle whose
 ``[sandbox] needs = "none"`` runs in the server's process, in worker threads, so a slow tool
 never blocks the event loop; a tool call past ``tool_timeout`` is answered with a
-``TOOL_TIMEOUT`` error and ends its episode, but the thread cannot be killed and runs on until
+``timeout`` tool error and ends its episode, but the thread cannot be killed and runs on until
 the env code returns. With a sandbox backend (``sandbox="bwrap"``, ``"docker"``, ...) every
 episode's env runs in a sandbox of its own; a call past its deadline kills the sandbox, and an
 episode's sandbox is removed as soon as the episode is graded or closed. The verifier always
@@ -25,9 +29,10 @@ episode is torn down; uvicorn then stops within ``timeout_graceful_shutdown``. U
 ``uvicorn.run`` the lifespan's shutdown does the same, but only after uvicorn has closed the
 sockets itself (code 1012, no reason).
 
-Keepalive: the server pings every socket (uvicorn's ``ws_ping_interval`` / ``ws_ping_timeout``,
-20 s / 20 s, passed explicitly by :func:`run_server`) and drops a peer that stops answering,
-which closes its episode.
+Transport (:mod:`corral.transport`, applied by :func:`run_server`): the server pings every
+socket every 20 s and drops a peer that does not answer within 20 s, which closes its episode;
+request heads and bodies have deadlines and idle or slow connections are capped, so they cannot
+use up the process's file descriptors.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -44,6 +50,7 @@ from fastapi.responses import Response
 from fastapi.websockets import WebSocketState
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 from corral.envs.bundle import Bundle, TaskNotFound, load_bundle
 from corral.envs.episodes import (
@@ -62,16 +69,33 @@ from corral.envs.hosting import (
     InProcessHost,
     SandboxHost,
 )
+from corral.envs.http_episodes import HttpEpisodes, http_status
+from corral.envs.mcp import HttpScope, McpHandler
 from corral.envs.protocol import (
+    MAX_FRAME_DEPTH,
+    STEP_ACTION,
+    EpisodeState,
+    ErrorCode,
+    ErrorData,
     ErrorMessage,
+    ListToolsAction,
+    Observation,
+    Reason,
+    ResetData,
+    StepAction,
+    depth,
+    json_safe_errors,
 )
 from corral.envs.running import run_server
 from corral.envs.session import Session
 from corral.sandboxes.base import NetworkPolicy, SandboxProvider, SandboxSpec
 from corral.sandboxes.providers import make_provider
 
-# WebSocket close code for a refused token (RFC 6455: policy violation).
+# WebSocket close code for a refused token or a socket that plays nothing (RFC 6455: policy
+# violation).
 POLICY_VIOLATION = 1008
+# How long an authenticated /ws socket may wait before its first reset.
+DEFAULT_FIRST_RESET_TIMEOUT = 120.0
 
 
 def _bearer_ok(header: str | None, token: str) -> bool:
@@ -119,6 +143,7 @@ def build_app(
     reset_timeout: float = 600.0,
     idle_timeout: float = 600.0,
     tool_timeout: float = 60.0,
+    first_reset_timeout: float = DEFAULT_FIRST_RESET_TIMEOUT,
     reward: RewardFn | None = None,
     sandbox: str | SandboxProvider | None = None,
     sandbox_image: str | None = None,
@@ -126,11 +151,18 @@ def build_app(
 ) -> FastAPI:
     """A FastAPI app serving ``bundle`` (a loaded Bundle or its folder).
 
-    Routes: ``GET /health`` (never needs the token), ``GET /splits``, ``GET /tasks/{split}``,
-    ``GET /tasks/{split}/{index}``, ``GET /metrics`` and the WebSocket ``/ws`` (protocol in
-    :mod:`corral.envs.protocol`). With a ``token``, every route but ``/health`` requires
-    ``Authorization: Bearer <token>``: HTTP answers 401, the socket is closed with 1008
-    before any env is created. The manager is at ``app.state.episodes``.
+    Routes (wire format in :mod:`corral.envs.protocol`): ``GET /health`` (never needs the
+    token), the task API (``GET /splits``, ``/tasks/{split}``, ``/tasks/{split}/{index}``),
+    ``GET /metrics``, OpenEnv's ``GET /schema`` and ``GET /metadata``, the WebSocket ``/ws``,
+    HTTP episodes (``POST /reset``, ``POST /step``, ``GET /state?episode_id=``), and MCP
+    JSON-RPC on ``POST /mcp`` and the WebSocket ``/mcp`` (:mod:`corral.envs.mcp`). With a
+    ``token``, every route but ``/health`` requires ``Authorization: Bearer <token>``: HTTP
+    answers 401, a socket is closed with 1008 before any env is created. The manager is at
+    ``app.state.episodes``; the app's version (OpenAPI ``info.version``) is the bundle's.
+
+    A ``/ws`` socket with no episode is closed (1008, with a reason) when it sends no reset
+    within ``first_reset_timeout`` s of opening, or after ``idle_timeout`` s with no episode (a
+    ``/mcp`` socket after ``idle_timeout`` s with none).
 
     ``sandbox``: where each episode's env runs (:mod:`corral.envs.hosting`): ``None`` runs a
     bundle that needs no sandbox in this process and refuses one that does (``ValueError``);
@@ -152,6 +184,8 @@ def build_app(
         reward=reward,
         host=host,
     )
+    http_episodes = HttpEpisodes(manager)
+    rpc = McpHandler(manager)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -172,7 +206,11 @@ def build_app(
                 401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
             )
 
-    app = FastAPI(title=f"corral env server: {loaded.name}", lifespan=lifespan)
+    app = FastAPI(
+        title=f"corral env server: {loaded.name}",
+        version=loaded.manifest.version,
+        lifespan=lifespan,
+    )
     app.state.episodes = manager
     authed = [Depends(require_token)]
 
@@ -221,8 +259,80 @@ def build_app(
     async def metrics_route() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/schema", dependencies=authed)
+    async def schema() -> dict[str, Any]:
+        return {
+            "action": STEP_ACTION.json_schema(),
+            "observation": TypeAdapter(Observation).json_schema(),
+            "state": EpisodeState.model_json_schema(),
+        }
+
+    @app.get("/metadata", dependencies=authed)
+    async def metadata() -> dict[str, Any]:
+        readme = Path(loaded.root) / "README.md"
+        return {
+            "name": loaded.name,
+            "description": loaded.manifest.description,
+            "version": loaded.manifest.version,
+            "readme_content": readme.read_text() if readme.is_file() else None,
+            "author": None,
+            "documentation_url": None,
+        }
+
+    @app.post("/reset", dependencies=authed)
+    async def http_reset(request: Request) -> Response:
+        try:
+            body = await _json_body(request, allow_empty=True)
+            try:
+                data = ResetData.model_validate(body if body is not None else {})
+            except ValidationError as exc:
+                raise _validation(exc) from None
+            _, result = await http_episodes.open(data)
+        except ServerError as exc:
+            return _http_error(exc)
+        return _json(result)
+
+    @app.post("/step", dependencies=authed)
+    async def http_step(request: Request) -> Response:
+        try:
+            body = await _json_body(request)
+            try:
+                step = HttpStep.model_validate(body)
+            except ValidationError as exc:
+                raise _validation(exc) from None
+            episode = http_episodes.get(step.episode_id)
+            if isinstance(step.action, ListToolsAction):
+                manager.check_live(episode)
+                return _json(episode.list_tools())
+            return _json(await manager.step(episode, step.action))
+        except ServerError as exc:
+            return _http_error(exc)
+
+    @app.get("/state", dependencies=authed)
+    async def http_state(episode_id: str | None = None) -> Response:
+        try:
+            return _json(await manager.state(http_episodes.get(episode_id)))
+        except ServerError as exc:
+            return _http_error(exc)
+
+    @app.post("/mcp", dependencies=authed)
+    async def mcp_post(request: Request) -> dict[str, Any]:
+        return await rpc.handle_text(await request.body(), HttpScope(http_episodes))
+
     @app.websocket("/ws")
     async def ws(websocket: WebSocket) -> None:
+        session = Session(manager)
+        await _serve_socket(websocket, session, mcp=False)
+
+    @app.websocket("/mcp")
+    async def mcp_ws(websocket: WebSocket) -> None:
+        session = Session(manager)
+        await _serve_socket(websocket, session, mcp=True)
+
+    async def _serve_socket(websocket: WebSocket, session: Session, *, mcp: bool) -> None:
+        """One socket's life: ``/ws`` frames, or JSON-RPC ones on ``/mcp``. With no episode it
+        waits ``first_reset_timeout`` for the first frame that starts one (``/ws`` only: the
+        ``/mcp`` socket starts its episode on its first call), then ``idle_timeout``."""
         if token is not None and not _bearer_ok(websocket.headers.get("authorization"), token):
             # Accept, then close with a reason: a close before accept reaches the client as a
             # bare HTTP 403 with no explanation.
@@ -233,7 +343,6 @@ def build_app(
         if manager.closing:
             await websocket.close(GOING_AWAY, SHUTDOWN_REASON)
             return
-        session = Session(manager)
 
         async def hang_up_socket(code: int, reason: str) -> None:
             # Checked and sent with no await between: never a send after the close.
@@ -242,15 +351,34 @@ def build_app(
 
         key = id(websocket)
         manager.add_socket(key, hang_up_socket)
+        ever_reset = False
         try:
             while True:
-                frame = await websocket.receive()
+                live = session.episode is not None and manager.is_open(session.episode)
+                ever_reset = ever_reset or session.episode is not None
+                bound = None
+                if not live:
+                    bound = idle_timeout if ever_reset or mcp else first_reset_timeout
+                try:
+                    frame = await asyncio.wait_for(websocket.receive(), bound)
+                except TimeoutError:
+                    why = (
+                        f"no episode for {idle_timeout:g} s (idle_timeout)"
+                        if ever_reset or mcp
+                        else f"no reset within {first_reset_timeout:g} s of connecting"
+                    )
+                    await hang_up_socket(POLICY_VIOLATION, why)
+                    break
                 if frame["type"] == "websocket.disconnect":
                     break
                 text = frame.get("text")
                 if text is None:
                     text = (frame.get("bytes") or b"").decode("utf-8", "replace")
-                reply, hang_up = await session.handle(text)
+                if mcp:
+                    reply: str | None = await session.handle_mcp(text)
+                    hang_up = False
+                else:
+                    reply, hang_up = await session.handle(text)
                 if websocket.application_state != WebSocketState.CONNECTED:
                     break  # hung up by shutdown while the message was handled
                 if reply is not None:
@@ -265,6 +393,54 @@ def build_app(
             await session.close()
 
     return app
+
+
+class HttpStep(BaseModel):
+    """``POST /step``'s body: OpenEnv's StepRequest (its ``timeout_s`` and ``request_id``
+    accepted and ignored: the server's tool timeout applies) naming the HTTP episode."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    action: StepAction
+    episode_id: str | None = None
+    timeout_s: float | None = None
+    request_id: str | None = None
+
+
+async def _json_body(request: Request, *, allow_empty: bool = False) -> Any:
+    """The request's JSON body; ServerError INVALID_JSON / VALIDATION_ERROR otherwise."""
+    text = await request.body()
+    if allow_empty and not text.strip():
+        return None
+    try:
+        body = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise ServerError(ErrorCode.INVALID_JSON, f"the body is not JSON: {exc}") from None
+    if depth(body) > MAX_FRAME_DEPTH:
+        raise ServerError(
+            ErrorCode.VALIDATION_ERROR,
+            f"the body nests over {MAX_FRAME_DEPTH} levels deep",
+            Reason.TOO_DEEP,
+            errors=[],
+        )
+    return body
+
+
+def _validation(exc: ValidationError) -> ServerError:
+    errors = json_safe_errors(exc.errors())
+    message = "; ".join(f"{'.'.join(e['loc'])}: {e['msg']}" for e in errors)
+    return ServerError(ErrorCode.VALIDATION_ERROR, message, errors=errors)
+
+
+def _json(model: BaseModel) -> Response:
+    return Response(model.model_dump_json(), media_type="application/json")
+
+
+def _http_error(exc: ServerError) -> Response:
+    """A refusal over HTTP: FastAPI's ``{"detail": ...}`` holding the error frame's data."""
+    data = ErrorData(message=str(exc), code=exc.code, reason=exc.reason, **exc.extra)
+    body = {"detail": data.model_dump(mode="json", exclude_none=True)}
+    return Response(json.dumps(body), status_code=http_status(exc), media_type="application/json")
 
 
 __all__ = [

@@ -1,42 +1,91 @@
 """One WebSocket's conversation with the env server (:class:`Session`): frames in, replies out.
 
 Parses each frame (:mod:`corral.envs.protocol`), dispatches it to the socket's episode
-(:mod:`corral.envs.episodes`) and encodes the reply; it never touches the socket itself.
+(:mod:`corral.envs.episodes`) or to the JSON-RPC handler (:mod:`corral.envs.mcp`) and encodes
+the reply; it never touches the socket itself. No bad frame ends the socket or its episode:
+each gets an ``error`` reply with one of OpenEnv's codes.
 """
 
 from __future__ import annotations
 
 import json
-import time
+from typing import Any
 
 from pydantic import ValidationError
 
-from corral.envs.episodes import SHUTDOWN_REASON, Episode, EpisodeManager, ServerError
+from corral.envs.episodes import Episode, EpisodeManager, ServerError, bundle_tools
+from corral.envs.mcp import McpHandler, RpcCode, RpcError
 from corral.envs.protocol import (
     CLIENT_MESSAGE,
     CLIENT_TYPES,
-    CallTool,
+    MAX_FRAME_DEPTH,
+    NEW_SHAPE_HINT,
+    CallToolAction,
+    ClientMessageT,
     CloseMessage,
     ErrorCode,
-    ObservationData,
-    ObservationMessage,
+    ListToolsObservation,
+    McpMessage,
+    McpReply,
+    Reason,
     RequestId,
+    ResetData,
     ResetMessage,
     StateMessage,
     StateRequest,
-    StepMessage,
+    StepResult,
+    depth,
     encode,
+    encode_observation,
     error_message,
+    json_safe_errors,
 )
+
+# corral's step shapes before they were OpenEnv's: refused with a pointer to the new one.
+_OLD_STEP_KEYS = frozenset({"call_tool", "list_tools"})
 
 
 class Session:
-    """One WebSocket's conversation: at most one episode at a time; turns messages into
-    replies. Closing the session (or the socket) closes its episode."""
+    """One socket's conversation: at most one episode at a time; turns frames into replies.
+    Closing the session (or the socket) closes its episode. Its JSON-RPC requests (``mcp``
+    frames on ``/ws``, every frame on ``/mcp``) play the socket's episode
+    (:class:`SocketScope`)."""
 
     def __init__(self, manager: EpisodeManager) -> None:
         self.manager = manager
         self.episode: Episode | None = None
+        self.rpc = McpHandler(manager)
+
+    # -- the socket's JSON-RPC session ------------------------------------------------------
+
+    async def create(self, data: ResetData) -> str:
+        """The socket's episode's id, after starting one (as ``data`` says) if it has none."""
+        if self.episode is not None and self.manager.is_open(self.episode):
+            return self.episode.id
+        await self._reset(data)
+        assert self.episode is not None
+        return self.episode.id
+
+    def find(self, session_id: str | None) -> Episode | None:
+        """The socket's episode (None: none yet); ``session_id``, when given, must be its id."""
+        episode = self.episode
+        if session_id is not None and (episode is None or episode.id != session_id):
+            raise RpcError(RpcCode.INVALID_PARAMS, f"Unknown session_id: {session_id}")
+        return episode
+
+    async def close_session(self, session_id: str | None) -> None:
+        """Refused, as OpenEnv's server refuses it: the socket owns its session."""
+        raise RpcError(
+            RpcCode.INVALID_REQUEST,
+            "a socket's own session closes with the socket (or a reset replaces it)",
+        )
+
+    # -- frames -----------------------------------------------------------------------------
+
+    async def handle_mcp(self, text: str) -> str:
+        """The JSON-RPC response frame to one frame of the ``/mcp`` socket."""
+        response = await self.rpc.handle_text(text, SocketScope(self, start_on_call=True))
+        return json.dumps(response)
 
     async def handle(self, text: str) -> tuple[str | None, bool]:
         """The reply frame to one client frame (None for none), and whether to hang up."""
@@ -45,96 +94,122 @@ class Session:
             raw = json.loads(text)
         except json.JSONDecodeError as exc:
             return encode(error_message(ErrorCode.INVALID_JSON, f"not JSON: {exc.msg}")), False
+        except RecursionError:
+            reply = error_message(
+                ErrorCode.INVALID_JSON, "not JSON this server reads: nested too deeply"
+            )
+            return encode(reply), False
         if not isinstance(raw, dict):
             reply = error_message(ErrorCode.INVALID_JSON, "a message must be a JSON object")
             return encode(reply), False
-        if isinstance(raw.get("request_id"), str | int):
-            request_id = raw["request_id"]  # echoed even when the rest is malformed
+        rid = raw.get("request_id")
+        if isinstance(rid, str | int) and not isinstance(rid, bool):
+            request_id = rid  # echoed even when the rest is malformed
+        if depth(raw) > MAX_FRAME_DEPTH:
+            reply = error_message(
+                ErrorCode.VALIDATION_ERROR,
+                f"the message nests over {MAX_FRAME_DEPTH} levels deep",
+                request_id,
+                reason=Reason.TOO_DEEP,
+                errors=[],
+            )
+            return encode(reply), False
         if raw.get("type") not in CLIENT_TYPES:
             message = f"unknown message type {raw.get('type')!r}; expected one of {CLIENT_TYPES}"
             return encode(error_message(ErrorCode.UNKNOWN_TYPE, message, request_id)), False
+        data = raw.get("data")
+        if raw["type"] == "step" and isinstance(data, dict) and _OLD_STEP_KEYS & data.keys():
+            reply = error_message(
+                ErrorCode.VALIDATION_ERROR,
+                f"this step shape is no longer served: {NEW_SHAPE_HINT}",
+                request_id,
+                reason=Reason.OLD_SHAPE,
+                errors=[{"loc": ["data"], "msg": NEW_SHAPE_HINT, "type": "old_shape"}],
+            )
+            return encode(reply), False
         try:
             msg = CLIENT_MESSAGE.validate_python(raw)
         except ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
-            )
-            reply = error_message(ErrorCode.VALIDATION_ERROR, problems, request_id)
+            errors = json_safe_errors(exc.errors())
+            problems = "; ".join(f"{'.'.join(e['loc'])}: {e['msg']}" for e in errors)
+            if raw["type"] == "step":
+                problems += f" ({NEW_SHAPE_HINT})"
+            reply = error_message(ErrorCode.VALIDATION_ERROR, problems, request_id, errors=errors)
             return encode(reply), False
         try:
             return await self._dispatch(msg)
         except ServerError as exc:
-            reply = error_message(exc.code, str(exc), request_id, **exc.extra)
+            reply = error_message(exc.code, str(exc), request_id, reason=exc.reason, **exc.extra)
             return encode(reply), False
 
-    async def _dispatch(
-        self, msg: ResetMessage | StepMessage | StateRequest | CloseMessage
-    ) -> tuple[str | None, bool]:
+    async def _dispatch(self, msg: ClientMessageT) -> tuple[str | None, bool]:
         rid = msg.request_id
         if isinstance(msg, CloseMessage):
             await self.close()
             return None, True
+        if isinstance(msg, McpMessage):
+            response = await self.rpc.handle(msg.data, SocketScope(self))
+            return encode(McpReply(data=response, request_id=rid)), False
         if isinstance(msg, ResetMessage):
-            task = self.manager.find_task(msg.data)
-            await self.close()  # a reset replaces this socket's episode, as in OpenEnv
-            self.episode, prompt = await self.manager.open(task)
-            obs = self.episode.observation(prompt, tools=self.episode.tools)
-            return encode(
-                ObservationMessage(data=ObservationData(observation=obs), request_id=rid)
-            ), False
-        episode = self._live_episode()
+            result = await self._reset(msg.data)
+            return self._observation(result, rid), False
         if isinstance(msg, StateRequest):
-            state = episode.final_state
-            if state is None:
-                state = await episode._run(episode.env.state(), limit_s=self.manager.tool_timeout)
-            data = {"episode_id": episode.id, "step_count": episode.steps, "done": episode.done}
-            data.update(task_id=episode.task.id, turn=episode.turn, status=episode.status)
-            data["env"] = state
-            return encode(StateMessage(data=data, request_id=rid)), False
-        if msg.data.list_tools is not None:
-            obs = episode.observation(tools=episode.tools)
-            return encode(
-                ObservationMessage(data=ObservationData(observation=obs), request_id=rid)
-            ), False
-        assert msg.data.call_tool is not None  # StepAction holds exactly one action
-        return await self._step(episode, msg.data.call_tool, rid), False
+            state = await self.manager.state(self._live_episode())
+            return encode(StateMessage(data=state, request_id=rid)), False
+        action = msg.data
+        if not isinstance(action, CallToolAction):  # list_tools: no reset needed
+            if self.episode is None:
+                listed = StepResult[ListToolsObservation](
+                    observation=ListToolsObservation(tools=bundle_tools(self.manager.bundle))
+                )
+                return self._observation(listed, rid), False
+            return self._observation(self._live_episode().list_tools(), rid), False
+        out = await self.manager.step(self._live_episode(), action)
+        return self._observation(out, rid), False
 
-    async def _step(self, episode: Episode, call: CallTool, rid: RequestId | None) -> str:
-        metrics = self.manager.metrics
-        episode.busy = True
-        started = time.perf_counter()
-        try:
-            data = await episode.step(call, self.manager.tool_timeout)
-        except ServerError as exc:
-            metrics.steps.labels(outcome=exc.code.value).inc()
-            if episode.done:
-                await self.manager.close(episode)
-            raise
-        finally:
-            episode.busy = False
-            episode.last_active = time.monotonic()
-            metrics.step_seconds.observe(time.perf_counter() - started)
-        metrics.steps.labels(outcome="tool_error" if data.observation.tool_error else "ok").inc()
-        if data.done:
-            # The slot is free once graded; the episode object stays so later steps get
-            # EPISODE_DONE rather than NO_EPISODE.
-            await self.manager.close(episode)
-        return encode(ObservationMessage(data=data, request_id=rid))
+    @staticmethod
+    def _observation(result: StepResult[Any], rid: RequestId | None) -> str:
+        return encode_observation(result, rid)
+
+    async def _reset(self, data: ResetData) -> StepResult[Any]:
+        task = self.manager.find_task(data)
+        await self.close()  # a reset replaces this socket's episode, as in OpenEnv
+        self.episode, prompt = await self.manager.open(task, data.episode_id)
+        return self.episode.reset_observation(prompt)
 
     def _live_episode(self) -> Episode:
         episode = self.episode
         if episode is None:
-            raise ServerError(ErrorCode.NO_EPISODE, "no episode on this socket; send reset first")
-        if episode.closed_as == "shutdown":
-            raise ServerError(ErrorCode.SESSION_ERROR, SHUTDOWN_REASON)
-        if episode.closed_as == "reaped":
             raise ServerError(
-                ErrorCode.SESSION_ERROR,
-                f"the episode was closed after {self.manager.idle_timeout:g} s idle; reset again",
+                ErrorCode.EXECUTION_ERROR,
+                "no episode on this socket; send reset first",
+                Reason.NO_EPISODE,
             )
+        self.manager.check_live(episode)
         return episode
 
     async def close(self) -> None:
         if self.episode is not None:
             await self.manager.close(self.episode, "closed" if not self.episode.done else None)
             self.episode = None
+
+
+class SocketScope:
+    """A socket's JSON-RPC requests, on the socket's own episode. With ``start_on_call`` (the
+    ``/mcp`` socket) a ``tools/call`` with no episode yet starts one on the default task, as
+    OpenEnv's socket has its env from the start."""
+
+    def __init__(self, session: Session, *, start_on_call: bool = False) -> None:
+        self.session = session
+        self.start_on_call = start_on_call
+
+    async def create(self, data: ResetData) -> str:
+        return await self.session.create(data)
+
+    async def find(self, session_id: str | None, *, calling: bool = False) -> Episode | None:
+        if calling and self.start_on_call and self.session.episode is None and session_id is None:
+            await self.session.create(ResetData())
+        return self.session.find(session_id)
+
+    async def close(self, session_id: str | None) -> None:
+        await self.session.close_session(session_id)
