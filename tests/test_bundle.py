@@ -142,7 +142,7 @@ def test_a_sound_bundle_loads_and_plays(tmp_path: Path) -> None:
     assert bundle.task_by_id("e0").split == "eval"
     assert [t.name for t in bundle.tools_for(task)] == ["say"]
     assert [t.name for t in bundle.tools_for(bundle.task("eval", 0))] == ["say", "shout"]
-    assert bundle.manifest.tools[0].openai()["function"]["name"] == "say"
+    assert bundle.manifest.tools[0].mcp().openai()["function"]["name"] == "say"
 
     env = bundle.make_env()
     assert isinstance(env, Env)

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from bundles.shellcraft import answers, files, generate, snapshot
+from bundles.shellcraft import answers, files, generate, snapshot, workspace
 from bundles.shellcraft.baselines import baseline_rows
 from bundles.shellcraft.solver import solve
 from corral.envs.bundle import Bundle, load_bundle, validate_bundle
@@ -41,11 +41,12 @@ def first_of(bundle: Bundle, split: str, family: str, count: int = 1) -> list[Ta
 
 
 def start(bundle: Bundle, task: Task, folder: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """A fresh env, reset on ``task`` with ``folder`` as the working folder."""
+    """A fresh env, reset on ``task`` as the server resets it (the env's view of the task,
+    ``[env] task_data``) with ``folder`` as the working folder."""
     folder.mkdir(parents=True, exist_ok=True)
     monkeypatch.chdir(folder)
     env = bundle.env_class()
-    assert env.reset(task) == task.prompt
+    assert env.reset(bundle.env_task(task)) == task.prompt
     return env
 
 
@@ -149,7 +150,8 @@ def test_inputs_are_the_same_in_every_process(bundle: Bundle) -> None:
 
 def test_the_env_imports_only_the_standard_library_and_the_episode_module() -> None:
     """The env runs in a sandbox where corral is not installed: follow its relative imports
-    through the bundle and allow only the standard library and corral.envs.episode."""
+    through the bundle and allow only the standard library and the corral modules shipped
+    beside the runner (``episode``, ``model_actions``)."""
     allowed = set(sys.stdlib_module_names) | {"__future__"}
     seen: set[str] = set()
     todo = ["env"]
@@ -165,11 +167,35 @@ def test_the_env_imports_only_the_standard_library_and_the_episode_module() -> N
             elif isinstance(node, ast.ImportFrom):
                 assert node.level == 0 and node.module is not None
                 top = node.module.split(".")[0]
-                assert node.module == "corral.envs.episode" or top in allowed, (module, node.module)
+                shipped = node.module in ("corral.envs.episode", "corral.envs.model_actions")
+                assert shipped or top in allowed, (module, node.module)
             elif isinstance(node, ast.Import):
                 for alias in node.names:
                     assert alias.name.split(".")[0] in allowed, (module, alias.name)
-    assert seen == {"env", "files", "shell", "snapshot"}  # answers.py stays outside the sandbox
+    # files.py (the generator), answers.py (the answer code) stay outside the sandbox
+    assert seen == {"env", "shell", "snapshot", "workspace"}
+    assert load_bundle(BUNDLE).payload_files() == [f"{m}.py" for m in sorted(seen)]
+
+
+def test_the_env_gets_the_files_and_never_the_seed(bundle: Bundle) -> None:
+    """``[env] task_data``: the view holds each input's bytes and the answer's names, and
+    nothing the answer derives from that the prompt does not state (no seed, no params)."""
+    for task in first_of(bundle, "eval", "csv_to_tsv", 2) + first_of(bundle, "eval", "find_files"):
+        view = bundle.env_task(task).data
+        assert set(view) == {"family", "inputs", "output_files", "output_dir"}
+        assert str(task.data["seed"]) not in json.dumps(view)
+        full = files.build(task.data)
+        assert workspace.from_view(view) == full  # the same workspace, input for input
+        assert workspace.from_view(json.loads(json.dumps(view))) == full  # as JSON, too
+    view = bundle.env_task(first_of(bundle, "eval", "status_counts")[0]).data
+    for bad in ("/etc/passwd", "../up", "a//b", "./a", ""):
+        broken = {**view, "inputs": [{**view["inputs"][0], "path": bad}]}
+        with pytest.raises(ValueError, match="not a relative path"):
+            workspace.from_view(broken)
+    with pytest.raises(ValueError, match="bad base64"):
+        workspace.from_view({**view, "inputs": [{**view["inputs"][0], "content_b64": "@@"}]})
+    with pytest.raises(TypeError, match="gzipped must be a boolean"):
+        workspace.from_view({**view, "inputs": [{**view["inputs"][0], "gzipped": "yes"}]})
 
 
 # --- episodes ----------------------------------------------------------------------------------
@@ -440,7 +466,7 @@ bundle = load_bundle({str(BUNDLE)!r})
 task = [t for t in bundle.tasks("eval") if t.data["family"] == "find_files"][0]
 os.chdir({str(tmp_path)!r})
 env = bundle.make_env()
-env.reset(task)
+env.reset(bundle.env_task(task))
 for _ in range(3):
     env.call_tool("bash", {{"command": "for i in $(seq 10); do sleep 60 & done; echo ok"}})
 env.state()
@@ -528,9 +554,12 @@ def test_reset_refuses_a_used_folder(
     (tmp_path / "logs").mkdir()
     monkeypatch.chdir(tmp_path)
     with pytest.raises(RuntimeError, match="not a fresh one"):
-        bundle.env_class().reset(first_of(bundle, "eval", "status_counts")[0])
+        bundle.env_class().reset(bundle.env_task(first_of(bundle, "eval", "status_counts")[0]))
     with pytest.raises(ValueError, match="unknown shellcraft family"):
-        bundle.env_class().reset(Task("x", "eval", 0, "p", {"family": "x", "seed": 1}))
+        bundle.env_class().reset(Task("x", "eval", 0, "p", {"family": "x", "inputs": []}))
+    full = first_of(bundle, "eval", "status_counts")[0]  # the full data: no view, no seed read
+    with pytest.raises(KeyError, match="inputs"):
+        bundle.env_class().reset(full)
 
 
 def test_every_family_sets_its_traps(bundle: Bundle) -> None:

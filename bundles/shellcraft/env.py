@@ -2,8 +2,10 @@
 
 The work folder is the process's current working folder when :meth:`ShellEnv.reset` runs (the
 sandbox's writable folder; a temporary folder in tests). ``reset`` writes the task's input files
-there (built from the task's data, :mod:`files`) and refuses a folder that already holds any of
-the names the task uses.
+there and refuses a folder that already holds any of the names the task uses. The task's data
+is the env's view (:func:`workspace.view_of`, made by the bundle's ``[env] task_data`` in the
+server: ``Bundle.env_task``): the files to write and the answer's names, never the seed they
+come from, whose generator (``files.py``) stays outside the sandbox with the answer code.
 
 Tools:
 
@@ -35,7 +37,8 @@ from typing import Any
 
 from corral.envs.episode import Task, ToolOutcome
 
-from . import files, shell, snapshot
+from . import shell, snapshot
+from .workspace import Workspace, from_view
 
 BASH = "bash"
 SUBMIT = "submit"
@@ -58,7 +61,7 @@ class ShellEnv:
     def __init__(self) -> None:
         self._task: Task | None = None
         self._root: Path | None = None
-        self._workspace: files.Workspace | None = None
+        self._workspace: Workspace | None = None
         self._submitted = False
         self._note: str | None = None
         self._commands = 0
@@ -69,10 +72,10 @@ class ShellEnv:
     def reset(self, task: Task) -> str:
         """Write the task's inputs into the current working folder; return the task's prompt.
 
-        Raises KeyError / ValueError / TypeError for data that is not a shellcraft task, and
+        Raises KeyError / ValueError / TypeError for data that is not a shellcraft view, and
         RuntimeError when the folder already holds a name the task uses (a reused sandbox).
         """
-        workspace = files.build(task.data)
+        workspace = from_view(task.data)
         root = Path.cwd()
         taken = [name for name in workspace.top_level_names() if os.path.lexists(root / name)]
         if taken:

@@ -20,62 +20,29 @@ Families (``FAMILIES``), each with traps a careless pipeline falls into:
 - ``jsonl_totals``: JSON-lines event files, older days gzipped, keys in any order, nested
   objects with a ``user`` key of their own, blank lines; total per user.
 
-This module is imported by the env inside the sandbox: standard library only.
+What the env receives is not this data: the seed fixes every byte of the inputs, and with
+the answer code (``answers.py``) it would let a command recompute the answer without doing the
+task. The bundle's ``[env] task_data`` is :func:`env_data`, run in the server's process: it
+builds the workspace and hands the env only what it must write
+(:func:`workspace.view_of`: each input's path, content and gzip flag, the answer's names, the
+family). This module stays in the server with the verifier; the env side is
+:mod:`workspace`, which holds no generator.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import gzip
-import hashlib
 import json
 import random
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
-FAMILIES = ("status_counts", "find_files", "csv_to_tsv", "jsonl_totals")
-
-
-@dataclass(frozen=True)
-class InputFile:
-    """One input file: ``path`` relative to the work folder ("/"-separated), as written to disk;
-    ``content`` is what a reader sees (decompressed when ``gzipped``, which the path's ``.gz``
-    suffix then says)."""
-
-    path: str
-    content: bytes
-    gzipped: bool = False
-
-    def stored_bytes(self) -> bytes:
-        """The bytes on disk (mtime 0 in the gzip header, so no clock leaks in)."""
-        return gzip.compress(self.content, mtime=0) if self.gzipped else self.content
-
-
-@dataclass(frozen=True)
-class Workspace:
-    """A task's starting files and where its answer goes.
-
-    ``output_files`` are the files read back as the answer; ``output_dir``, when set, is a
-    folder whose every entry is read back (an answer of several files).
-    """
-
-    family: str
-    inputs: tuple[InputFile, ...]
-    output_files: tuple[str, ...] = ()
-    output_dir: str | None = None
-
-    def top_level_names(self) -> list[str]:
-        """The names the task occupies directly in the work folder, sorted."""
-        paths = [f.path for f in self.inputs] + list(self.output_files)
-        if self.output_dir:
-            paths.append(self.output_dir)
-        return sorted({p.split("/", 1)[0] for p in paths})
-
-
-def content_digest(content: bytes) -> str:
-    """The digest the env reports and the verifier expects for an input's content."""
-    return hashlib.sha256(content).hexdigest()
+# The types the env side shares with this module (re-exported: answers and generate use them).
+from .workspace import FAMILIES as FAMILIES
+from .workspace import InputFile as InputFile
+from .workspace import Workspace as Workspace
+from .workspace import content_digest as content_digest
+from .workspace import view_of
 
 
 def build(data: Mapping[str, Any]) -> Workspace:
@@ -92,6 +59,12 @@ def build(data: Mapping[str, Any]) -> Workspace:
         raise TypeError("params must be an object")
     inputs = tuple(_BUILDERS[family](random.Random(seed), params))
     return Workspace(family, inputs, **_OUTPUTS[family])
+
+
+def env_data(task: Any) -> dict[str, Any]:
+    """``[env] task_data`` (server side): the env's view of ``task`` (see the module
+    docstring), built from the task's full data; raises like :func:`build`."""
+    return view_of(build(task.data))
 
 
 # --- status_counts ----------------------------------------------------------------------------

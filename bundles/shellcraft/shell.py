@@ -24,7 +24,13 @@ run it for every earlier group now and then to catch the ones re-parented late.
 Output goes through pipes, not files: a command that floods its output for the whole time
 limit costs CPU but no disk and no memory beyond ``limit_bytes``.
 
-Standard library only: this runs inside the sandbox.
+The command line is :func:`~corral.envs.model_actions.model_argv` of ``bash -c COMMAND``: in a
+sandbox, the backend's jail prefix puts the model's command out of the runner's reach. The
+command reads nothing of the runner: its stdin is ``/dev/null`` and no descriptor of the runner
+but the two output pipes is inherited (``close_fds``).
+
+Standard library only (and corral's ``model_actions``, shipped beside the runner): this runs
+inside the sandbox.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
+
+from corral.envs.model_actions import model_argv
 
 # How often to look for bash's exit where no pidfd can announce it (old kernels, seccomp).
 _POLL_S = 0.01
@@ -103,13 +111,14 @@ def run_command(
     """
     start = time.monotonic()
     proc = subprocess.Popen(
-        ["bash", "-c", command],
+        model_argv(["bash", "-c", command]),
         cwd=cwd,
         env=dict(env),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,
+        close_fds=True,  # the runner's protocol pipes and files stay the runner's
     )
     assert proc.stdout is not None and proc.stderr is not None
     sinks = {proc.stdout: _Sink(limit_bytes), proc.stderr: _Sink(limit_bytes)}

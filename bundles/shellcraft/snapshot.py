@@ -17,7 +17,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from .files import InputFile, Workspace, content_digest
+from .workspace import InputFile, Workspace, content_digest
 
 # An answer file larger than this is reported as too large, not read (answers are < 10 KiB).
 MAX_OUTPUT_BYTES = 64 * 1024

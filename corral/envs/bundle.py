@@ -7,6 +7,15 @@ A bundle is a folder::
     env.py                 the env class ([env] module + class), see corral.envs.episode
     verifier.py            the grading function ([verifier] module + function)
 
+Two sides: the *env side* (the env module and the bundle modules it imports, or the declared
+``[env] modules``) is all that enters a sandbox; everything else (the verifier and the
+``[verifier] modules``, the ``[solver]`` and ``[[baselines]]``, the ``[env] task_data``
+function, generators, task files) stays in the server's process. :func:`load_bundle` follows
+the env side's imports statically (``ast``: relative imports, and absolute imports of the
+bundle's own modules) and refuses a bundle whose env side reaches grading code or a module
+outside its declared ``[env] modules``, naming the import chain. Imports it cannot see (an
+``importlib`` call on a computed name) fail in the sandbox, where the module is absent.
+
 The bundle folder is imported as a package of its own (a unique name per folder), so its
 modules may import each other relatively (``from .market import simulate``); relative imports
 resolve against the bundle folder. Importing a bundle runs its code in this process: load only
@@ -21,10 +30,14 @@ problem names the file it is about, relative to the bundle folder, with a line w
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import inspect
 import json
 import math
+import posixpath
 import re
+import sys
 import threading
 import tomllib
 import traceback
@@ -37,7 +50,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from corral.envs.episode import END_TURN_TOOL, Env, Task
-from corral.envs.importing import bundle_package, import_file
+from corral.envs.importing import bundle_package, import_file, package_name
+from corral.envs.protocol import McpTool
 
 MANIFEST = "bundle.toml"
 # OpenAI's function-name rule, so every tool can be offered to any OpenAI-style client.
@@ -64,6 +78,10 @@ class VerifierError(Exception):
     """The verifier raised, or returned something other than named finite scores."""
 
 
+class TaskDataError(Exception):
+    """The ``[env] task_data`` function raised, or returned something other than a JSON object."""
+
+
 class RewardError(ValueError):
     """The scores lack a name the ``[reward]`` table combines, or hold a non-finite value."""
 
@@ -79,16 +97,9 @@ class ToolSpec(_Model):
     description: str
     parameters: dict[str, Any]
 
-    def openai(self) -> dict[str, Any]:
-        """The tool in OpenAI's chat-completions ``tools`` shape."""
-        return {
-            "type": "function",
-            "function": {
-                "name": self.name,
-                "description": self.description,
-                "parameters": self.parameters,
-            },
-        }
+    def mcp(self) -> McpTool:
+        """The tool as the env server lists it (MCP's shape; ``.openai()`` gives OpenAI's)."""
+        return McpTool(name=self.name, description=self.description, input_schema=self.parameters)
 
 
 class SandboxNeeds(_Model):
@@ -120,7 +131,9 @@ class EnvSpec(_Model):
     imports, transitively. ``task_data``: ``"module.py:function"``, a function run in the
     server's process that maps a :class:`~corral.envs.episode.Task` to the ``data`` the env's
     ``reset`` receives (so hidden task data, such as a seed the answers derive from, stays
-    out of the sandbox); ``None``: the task's own ``data``.
+    out of the sandbox); ``None``: the task's own ``data``. Its module is server side, so the
+    env may not import it, unless ``modules`` lists it (then it ships, and may not import
+    grading code itself).
     """
 
     module: str = "env.py"
@@ -151,8 +164,18 @@ class LimitsSpec(_Model):
 
 
 class VerifierSpec(_Model):
+    """``[verifier]``: the grading function (``module`` + ``function``) and ``modules``, the
+    grading-only bundle modules (``None``: the verifier module alone). The env side may import
+    none of them: they never enter a sandbox."""
+
     module: str = "verifier.py"
     function: str = Field(default="grade", pattern=r"^[A-Za-z_]\w*$")
+    modules: tuple[str, ...] | None = None
+
+    def grading_modules(self) -> tuple[str, ...]:
+        """The verifier module, then the ``modules`` entries (each once)."""
+        extra = [m for m in self.modules or () if _norm(m) != _norm(self.module)]
+        return (self.module, *dict.fromkeys(extra))
 
 
 class RewardSpec(_Model):
@@ -236,6 +259,8 @@ class _Checked:
     manifest: BundleManifest | None = None
     env_class: type | None = None
     verifier: Callable[..., Any] | None = None
+    payload: tuple[str, ...] = ()
+    task_data: Callable[..., Any] | None = None
 
 
 class Bundle:
@@ -250,11 +275,16 @@ class Bundle:
         manifest: BundleManifest,
         env_class: type,
         verifier: Callable[..., Any],
+        *,
+        payload: Sequence[str] = (),
+        task_data: Callable[..., Any] | None = None,
     ) -> None:
         self.root = root
         self.manifest = manifest
         self.env_class = env_class
         self._verifier = verifier
+        self._payload = tuple(payload)
+        self._task_data = task_data
         self._tasks: dict[str, list[Task]] = {}
         self._by_id: dict[str, Task] | None = None
         self._lock = threading.Lock()
@@ -303,6 +333,59 @@ class Bundle:
             return list(self.manifest.tools)
         wanted = set(task.tools)
         return [t for t in self.manifest.tools if t.name in wanted]
+
+    def payload_files(self) -> list[str]:
+        """The bundle-relative paths of the files that enter a sandbox ("/"-separated, sorted):
+        the declared ``[env] modules`` (folders expanded), else the env module and the bundle
+        modules it imports, transitively. Never a task file or grading code (load refuses)."""
+        return list(self._payload)
+
+    def env_task(self, task: Task) -> Task:
+        """The task as the env's ``reset`` receives it: ``data`` replaced by what the
+        ``[env] task_data`` function returns for ``task`` (run here, in the server's process),
+        or ``task`` itself when the bundle declares none.
+
+        Raises :class:`TaskDataError` when the function raises or returns anything but a JSON
+        object: the episode cannot start, and the message says why.
+        """
+        if self._task_data is None:
+            return task
+        where = self.manifest.env.task_data
+        try:
+            data = self._task_data(task)
+        except Exception as exc:
+            raise TaskDataError(
+                f"[env] task_data {where} raised {type(exc).__name__}: {exc} (task {task.id!r})"
+            ) from exc
+        if not isinstance(data, dict):
+            raise TaskDataError(
+                f"[env] task_data {where} returned {type(data).__name__}, not a JSON object"
+            )
+        try:
+            json.dumps(data, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise TaskDataError(
+                f"[env] task_data {where} returned data that is not JSON: {exc}"
+            ) from exc
+        return dataclasses.replace(task, data=data)
+
+    def entry_point(self, spec: EntryPoint) -> Callable[..., Any]:
+        """The bundle function ``spec`` names (the solver, a baseline), imported in this
+        process. Raises :class:`BundleError` naming the file when the module is missing, does
+        not import, or defines no such callable."""
+        problems: list[str] = []
+        module = _import_module(self.root, self._package(), spec.module, spec.module, problems)
+        if module is None:
+            raise BundleError(self.root, problems)
+        fn = getattr(module, spec.function, None)
+        if not callable(fn):
+            raise BundleError(self.root, [f"{spec.module}: defines no callable {spec.function!r}"])
+        return fn
+
+    def _package(self) -> str:
+        """The bundle's package, created on first need (loading made it; a test may not)."""
+        name = package_name(self.root, self.manifest.name)
+        return name if name in sys.modules else bundle_package(self.root, self.manifest.name)
 
     def make_env(self) -> Env:
         """A fresh env for one episode (the env class called with no arguments).
@@ -367,7 +450,14 @@ def load_bundle(path: Path | str) -> Bundle:
     if checked.problems:
         raise BundleError(root, checked.problems)
     assert checked.manifest and checked.env_class and checked.verifier  # set when no problems
-    return Bundle(root.resolve(), checked.manifest, checked.env_class, checked.verifier)
+    return Bundle(
+        root.resolve(),
+        checked.manifest,
+        checked.env_class,
+        checked.verifier,
+        payload=checked.payload,
+        task_data=checked.task_data,
+    )
 
 
 def validate_bundle(path: Path | str) -> list[str]:
@@ -383,6 +473,12 @@ def validate_bundle(path: Path | str) -> list[str]:
     manifest = checked.manifest
     if manifest is None:
         return problems
+    # The solver and baselines import lazily (the play validator runs them); their files must
+    # exist, though, for a bundle that names them.
+    lazy = [("solver", manifest.solver)] if manifest.solver else []
+    lazy += [(f"baselines.{b.name}", b) for b in manifest.baselines]
+    for key, spec in lazy:
+        problems.extend(_file_problems(root, spec.module, f"{key}.module"))
     tool_names = {t.name for t in manifest.tools}
     first_seen: dict[str, str] = {}
     for split, rel in manifest.splits.items():
@@ -497,12 +593,222 @@ def _check(root: Path) -> _Checked:
             problems.append(f"{MANIFEST}: splits: bad split name {split!r}")
         problems.extend(_file_problems(root, rel, f"splits.{split}"))
 
+    for i, rel in enumerate(manifest.verifier.modules or ()):
+        problems.extend(_path_problems(root, rel, f"verifier.modules[{i}]"))
+    payload = _env_side(root, manifest, problems)
+
     package = bundle_package(root, manifest.name)
     env_class = _load_env_class(root, package, manifest.env, problems)
     verifier = _load_verifier(root, package, manifest.verifier, problems)
+    task_data = _load_task_data(root, package, manifest.env, problems)
     if problems:
         return _Checked(problems, manifest)
-    return _Checked([], manifest, env_class, verifier)
+    return _Checked([], manifest, env_class, verifier, payload, task_data)
+
+
+def _norm(rel: str) -> str:
+    """A bundle-relative path in one spelling ("./a//b.py" and "a/b.py" are one module)."""
+    return posixpath.normpath(rel.replace("\\", "/"))
+
+
+def _path_problems(root: Path, rel: str, key: str) -> list[str]:
+    """Like :func:`_file_problems`, but a folder is fine too."""
+    if not _inside(root, rel):
+        return [f"{MANIFEST}: {key}: {rel!r} must be a relative path inside the bundle folder"]
+    if not (root / rel).exists():
+        return [f"{rel}: missing (named by {MANIFEST} {key})"]
+    return []
+
+
+def _expand(root: Path, rel: str) -> list[str]:
+    """The files a declared ``[env] modules`` entry stands for (a folder: every file in it,
+    bytecode caches left out), bundle-relative."""
+    path = root / rel
+    if path.is_file():
+        return [_norm(rel)]
+    found = []
+    for p in sorted(path.rglob("*")):
+        if p.is_file() and "__pycache__" not in p.relative_to(root).parts:
+            found.append(p.relative_to(root).as_posix())
+    return found
+
+
+def _grading_roles(manifest: BundleManifest, env_side: set[str]) -> dict[str, str]:
+    """Bundle module -> what makes it grading code (the env side may not import it)."""
+    roles: dict[str, str] = {}
+    verifier = manifest.verifier
+    roles[_norm(verifier.module)] = "the [verifier] module"
+    for rel in verifier.grading_modules()[1:]:
+        roles.setdefault(_norm(rel), "a [verifier] modules entry (grading only)")
+    if manifest.solver is not None:
+        roles.setdefault(_norm(manifest.solver.module), "the [solver] module")
+    for b in manifest.baselines:
+        roles.setdefault(_norm(b.module), f"the [[baselines]] {b.name!r} module")
+    if manifest.env.task_data is not None:
+        rel = _norm(manifest.env.task_data.split(":", 1)[0])
+        if rel not in env_side:  # a server-side function: it may import grading code
+            roles.setdefault(rel, "the [env] task_data module (server side)")
+    return roles
+
+
+def _env_side(root: Path, manifest: BundleManifest, problems: list[str]) -> tuple[str, ...]:
+    """The payload files (see :meth:`Bundle.payload_files`); appends to ``problems`` every
+    declared path that is missing, every grading or task file on the env side, and every
+    import of the env side that reaches grading code or leaves the declared modules."""
+    env = manifest.env
+    declared: list[str] | None = None
+    if env.modules is not None:
+        declared = []
+        for i, rel in enumerate(env.modules):
+            found = _path_problems(root, rel, f"env.modules[{i}]")
+            problems.extend(found)
+            if not found:
+                declared.extend(_expand(root, rel))
+        declared = sorted(set(declared))
+        if _norm(env.module) not in declared and _inside(root, env.module):
+            problems.append(
+                f"{MANIFEST}: env.modules: does not include the env module {env.module!r}"
+            )
+    env_module = _norm(env.module)
+    starts = [env_module] + [p for p in declared or () if p.endswith(".py")]
+    chains = _import_chains(root, starts)
+    payload = set(declared) if declared is not None else set(chains)
+    # The task_data module is env side only when declared so: undeclared, it is the server's
+    # (it holds what builds the hidden data), and the env importing it is refused.
+    roles = _grading_roles(manifest, set(declared or ()))
+    splits = {_norm(rel) for rel in manifest.splits.values()}
+    for rel in declared or ():
+        if rel in roles:
+            problems.append(
+                f"{MANIFEST}: env.modules: {rel} is {roles[rel]}: grading code never enters "
+                "the sandbox"
+            )
+        elif rel in splits:
+            problems.append(f"{MANIFEST}: env.modules: {rel} is a task file: tasks stay outside")
+    if env_module in roles and env_module not in (declared or ()):
+        problems.append(
+            f"{MANIFEST}: env.module: {env_module} is also {roles[env_module]}: grading code "
+            "never enters the sandbox (keep the grading functions in a module of their own)"
+        )
+    for rel, chain in chains.items():
+        path = " -> ".join(chain)
+        if len(chain) == 1:
+            continue  # a start: the env module or a declared module, checked above
+        if rel in roles:
+            problems.append(
+                f"{chain[0]}: the env side imports grading code: {path} ({rel} is {roles[rel]}; "
+                "the env must not reach it, it stays out of the sandbox)"
+            )
+        elif declared is not None and rel not in payload:
+            problems.append(
+                f"{chain[0]}: the env side imports a module outside [env] modules: {path} "
+                f"(add {rel} to [env] modules, or the import fails in the sandbox)"
+            )
+    return tuple(sorted(payload))
+
+
+def _import_chains(root: Path, starts: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """Every bundle module reachable from ``starts`` by import -> the shortest import chain
+    to it (breadth first), the starts included (their chain is themselves)."""
+    chains: dict[str, tuple[str, ...]] = {}
+    queue: list[str] = []
+    for rel in starts:
+        if rel not in chains and (root / rel).is_file():
+            chains[rel] = (rel,)
+            queue.append(rel)
+    while queue:
+        rel = queue.pop(0)
+        for target in _bundle_imports(root, rel):
+            if target not in chains:
+                chains[target] = (*chains[rel], target)
+                queue.append(target)
+    return chains
+
+
+def _bundle_imports(root: Path, rel: str) -> list[str]:
+    """The bundle modules that the module file ``rel`` imports anywhere in its code (function
+    bodies too): relative imports, and absolute ones whose first name is a bundle module.
+    A file that does not parse imports nothing here (its import check reports it)."""
+    try:
+        tree = ast.parse((root / rel).read_bytes(), filename=rel)
+    except (SyntaxError, ValueError, OSError):
+        return []
+    here = posixpath.dirname(rel)
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                found.extend(_absolute(root, alias.name))
+        elif isinstance(node, ast.ImportFrom):
+            names = [a.name for a in node.names if a.name != "*"]
+            if node.level == 0:
+                if node.module:
+                    found.extend(_absolute(root, node.module, names))
+                continue
+            base = here
+            for _ in range(node.level - 1):
+                if not base:
+                    break  # above the bundle folder: not the bundle's (the import fails)
+                base = posixpath.dirname(base)
+            else:
+                found.extend(_resolve(root, base, node.module, names))
+    return list(dict.fromkeys(found))
+
+
+def _absolute(root: Path, dotted: str, names: Sequence[str] = ()) -> list[str]:
+    top = dotted.split(".", 1)[0]
+    if not ((root / f"{top}.py").is_file() or (root / top / "__init__.py").is_file()):
+        return []
+    return _resolve(root, "", dotted, names)
+
+
+def _resolve(root: Path, base: str, dotted: str | None, names: Sequence[str]) -> list[str]:
+    """The module files ``from <base>.<dotted> import <names>`` runs: each package's
+    ``__init__.py`` on the way, the module, and the names that are submodules."""
+    parts = dotted.split(".") if dotted else []
+    found: list[str] = []
+    folder = base
+    for i, part in enumerate(parts):
+        path = posixpath.join(folder, part) if folder else part
+        last = i == len(parts) - 1
+        if last and (root / f"{path}.py").is_file():
+            found.append(f"{path}.py")
+            return found  # a plain module: the names are its attributes
+        init = f"{path}/__init__.py"
+        if not (root / init).is_file():
+            return found
+        found.append(init)
+        folder = path
+    for name in names:
+        path = posixpath.join(folder, name) if folder else name
+        if (root / f"{path}.py").is_file():
+            found.append(f"{path}.py")
+        elif (root / path / "__init__.py").is_file():
+            found.append(f"{path}/__init__.py")
+    return found
+
+
+def _load_task_data(
+    root: Path, package: str, spec: EnvSpec, problems: list[str]
+) -> Callable[..., Any] | None:
+    """The ``[env] task_data`` function (server side), checked to take one argument."""
+    if spec.task_data is None:
+        return None
+    rel, function = spec.task_data.split(":", 1)
+    module = _import_module(root, package, rel, "env.task_data", problems)
+    if module is None:
+        return None
+    fn = getattr(module, function, None)
+    if not callable(fn):
+        problems.append(f"{rel}: defines no callable {function!r} ([env] task_data)")
+        return None
+    try:
+        inspect.signature(fn).bind(None)
+    except TypeError:
+        problems.append(f"{rel}: {function} must take (task) ([env] task_data)")
+    except ValueError:
+        pass
+    return fn
 
 
 def _file_problems(root: Path, rel: str, key: str) -> list[str]:

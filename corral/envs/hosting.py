@@ -12,11 +12,24 @@ through that handle, the same way wherever the env runs.
   really stops. The verifier never runs there: the server grades the state the env reports,
   in its own process, where the model's actions cannot reach it.
 
-What goes into a sandbox (the *payload*): the bundle folder without its task files, and the
-three standard-library modules the runner needs (``episode``, ``importing``, ``runner``) under
-an otherwise empty ``corral`` package. Backends that mount host folders (bwrap, docker) get it as
-a read-only bind at :data:`CODE_ROOT`; the others (kubernetes, e2b) get it uploaded into
-:data:`UPLOAD_ROOT` of each sandbox, where the sandbox's own processes could change it.
+What goes into a sandbox (the *payload*, :func:`build_payload`): only the bundle's env side
+(:meth:`Bundle.payload_files`: the declared ``[env] modules``, or the env module and the bundle
+modules it imports) under ``bundle/``, and the standard-library modules the runner needs
+(:data:`RUNNER_MODULES`) under an otherwise empty ``corral`` package. No verifier, solver,
+baselines, generator or task file enters, so a model command in the sandbox finds no code that
+computes an answer. The payload's folders and files are owner-only (0700 / 0600): where model
+commands run under another uid than the runner, they cannot read even the env's code. Backends
+that mount host folders (bwrap, docker) get it as a read-only bind at :data:`CODE_ROOT`; the
+others (kubernetes, e2b) get it uploaded into :data:`UPLOAD_ROOT` of each sandbox, where the
+sandbox's own processes could change it.
+
+What the env sees of a task: :meth:`Bundle.env_task` (the ``[env] task_data`` view, computed
+in the server's process), never the task's own ``data`` when the bundle declares a view. The
+handles apply it in their ``reset``, the one place every episode's task passes through on its
+way to the env, in-process or sandboxed alike.
+
+The runner's environment carries ``CORRAL_MODEL_JAIL`` (:mod:`corral.envs.model_actions`): the
+provider's prefix for the commands an env runs on the model's behalf.
 """
 
 from __future__ import annotations
@@ -25,14 +38,18 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from corral.envs.bundle import Bundle
+from corral.envs.bundle import Bundle, TaskDataError
 from corral.envs.episode import END_TURN_TOOL, Env, Task, ToolOutcome
+from corral.envs.model_actions import JAIL_VARIABLE
 from corral.sandboxes.base import (
+    RUNNER_ROOT,
     Bind,
     Sandbox,
     SandboxError,
@@ -44,9 +61,11 @@ from corral.sandboxes.pool import WarmPool
 
 log = logging.getLogger(__name__)
 
-CODE_ROOT = "/opt/corral"
+CODE_ROOT = RUNNER_ROOT  # where the payload is bound; the bwrap jail covers it
 UPLOAD_ROOT = "/tmp/.corral-env"
-_RUNNER_MODULES = ("episode.py", "importing.py", "runner.py")
+# corral's modules a sandbox needs (standard library only), from corral/envs.
+RUNNER_MODULES = ("episode.py", "importing.py", "model_actions.py", "runner.py")
+_DIR_MODE, _FILE_MODE = 0o700, 0o600
 
 
 class EnvFailure(Exception):
@@ -94,11 +113,23 @@ def _fail(exc: BaseException) -> EnvFailure:
     return EnvFailure(f"the env raised {type(exc).__name__}: {exc}")
 
 
+TaskView = Callable[[Task], Task]
+
+
+async def _env_task(view: TaskView, task: Task) -> Task:
+    """``view(task)`` in a worker thread (a view may build files); EnvFailure if it fails."""
+    try:
+        return await asyncio.to_thread(view, task)
+    except TaskDataError as exc:
+        raise EnvFailure(str(exc)) from exc
+
+
 class InProcessEnv:
     """An env object in the server's process; its methods run in worker threads."""
 
-    def __init__(self, env: Env) -> None:
+    def __init__(self, env: Env, view: TaskView | None = None) -> None:
         self.env = env
+        self.view = view
         self.has_end_turn = callable(getattr(env, END_TURN_TOOL, None))
 
     async def _call(self, fn: Any, *args: Any) -> Any:
@@ -108,6 +139,9 @@ class InProcessEnv:
             raise _fail(exc) from exc
 
     async def reset(self, task: Task) -> str:
+        """Reset the env on ``task`` as ``view`` shows it (the bundle's env view)."""
+        if self.view is not None:
+            task = await _env_task(self.view, task)
         return str(await self._call(self.env.reset, task))
 
     async def call_tool(self, name: str, arguments: dict[str, Any]) -> ToolOutcome:
@@ -139,7 +173,8 @@ class InProcessHost:
 
     async def start(self) -> EnvHandle:
         try:
-            return InProcessEnv(await asyncio.to_thread(self.bundle.make_env))
+            env = await asyncio.to_thread(self.bundle.make_env)
+            return InProcessEnv(env, self.bundle.env_task)
         except Exception as exc:
             raise _fail(exc) from exc
 
@@ -150,9 +185,12 @@ class InProcessHost:
 class SandboxedEnv:
     """An env held by a runner process in a sandbox (protocol in :mod:`corral.envs.runner`)."""
 
-    def __init__(self, sandbox: Sandbox, process: SandboxProcess) -> None:
+    def __init__(
+        self, sandbox: Sandbox, process: SandboxProcess, view: TaskView | None = None
+    ) -> None:
         self.sandbox = sandbox
         self.process = process
+        self.view = view
         self.has_end_turn = False
         self._closing: asyncio.Future[None] | None = None
 
@@ -187,6 +225,10 @@ class SandboxedEnv:
         return f"; its stderr ends: {tail[-1500:]}" if tail else ""
 
     async def reset(self, task: Task) -> str:
+        """Reset the env on ``task`` as ``view`` shows it: only that view crosses into the
+        sandbox (hidden task data stays in the server's process)."""
+        if self.view is not None:
+            task = await _env_task(self.view, task)
         return str(await self.request("reset", task=task.to_json()))
 
     async def call_tool(self, name: str, arguments: dict[str, Any]) -> ToolOutcome:
@@ -218,22 +260,33 @@ class SandboxedEnv:
 
 
 def build_payload(bundle: Bundle, into: Path) -> Path:
-    """Write the payload (module docstring) under ``into``; return its root."""
+    """Write the payload (module docstring) under ``into`` (which must not hold one yet);
+    return its root. Every folder is 0700 and every file 0600, whatever the umask."""
     root = into / "payload"
-    envs = root / "corral" / "envs"
-    envs.mkdir(parents=True)
-    (root / "corral" / "__init__.py").write_text("")
-    (envs / "__init__.py").write_text("")
     here = Path(__file__).resolve().parent
-    for name in _RUNNER_MODULES:
-        shutil.copyfile(here / name, envs / name)
-    splits = {(bundle.root / p).resolve() for p in bundle.manifest.splits.values()}
-
-    def skip(folder: str, names: list[str]) -> set[str]:
-        return {n for n in names if n == "__pycache__" or (Path(folder) / n).resolve() in splits}
-
-    shutil.copytree(bundle.root, root / "bundle", ignore=skip)
+    files: dict[str, Path] = {"corral/__init__.py": Path(os.devnull)}
+    files["corral/envs/__init__.py"] = Path(os.devnull)
+    files.update({f"corral/envs/{name}": here / name for name in RUNNER_MODULES})
+    files.update({f"bundle/{rel}": bundle.root / rel for rel in bundle.payload_files()})
+    into.mkdir(parents=True, exist_ok=True)
+    _private_dir(root)
+    _private_dir(root / "bundle")  # the runner's bundle folder, even for an env of one module
+    for rel, source in files.items():
+        target = root / rel
+        for folder in reversed(target.relative_to(root).parents[:-1]):
+            _private_dir(root / folder)
+        # Created owner-only from the start: never readable by others, not even for a moment.
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, _FILE_MODE)
+        with os.fdopen(fd, "wb") as out:
+            out.write(source.read_bytes())
+        os.chmod(target, _FILE_MODE)  # the umask may have taken bits off; none may be added
     return root
+
+
+def _private_dir(path: Path) -> None:
+    if not path.is_dir():
+        path.mkdir(mode=_DIR_MODE)
+    os.chmod(path, _DIR_MODE)
 
 
 class SandboxHost:
@@ -271,6 +324,7 @@ class SandboxHost:
         else:
             self.code_root, self._upload = upload_root, True
         self.spec = spec
+        self._jail = json.dumps(list(provider.model_jail(spec)))
         self._pool: WarmPool | None = WarmPool(provider, spec, warm) if warm > 0 else None
 
     async def open(self) -> None:
@@ -307,9 +361,13 @@ class SandboxHost:
                     manifest.env.class_name,
                     manifest.name,
                 ],
-                env={"PYTHONPATH": self.code_root, "PYTHONDONTWRITEBYTECODE": "1"},
+                env={
+                    "PYTHONPATH": self.code_root,
+                    "PYTHONDONTWRITEBYTECODE": "1",
+                    JAIL_VARIABLE: self._jail,
+                },
             )
-            env = SandboxedEnv(sandbox, process)
+            env = SandboxedEnv(sandbox, process, self.bundle.env_task)
             started = await env.request("start")
             env.has_end_turn = bool(started.get("end_turn"))
             return env
