@@ -19,3 +19,18 @@ def kill_processes_in(folder: Path) -> int:
         except OSError:  # gone meanwhile, or not ours to read
             pass
     return killed
+
+
+def kill_processes_of_cgroup(procs: Path) -> int:
+    """SIGKILL every process listed in a cgroup's ``cgroup.procs``; return how many were killed.
+
+    For a bwrap sandbox this reaches the runner too: the runner is non-dumpable, so its
+    ``/proc/<pid>/cwd`` cannot be read from outside and :func:`kill_processes_in` misses it."""
+    killed = 0
+    for pid in procs.read_text().split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+            killed += 1
+        except ProcessLookupError:  # gone meanwhile
+            pass
+    return killed

@@ -22,13 +22,13 @@ import httpx
 import pytest
 
 from corral.envs.bundle import load_bundle
-from corral.envs.client import EnvClient, EnvServerError
+from corral.envs.client import EnvClient
 from corral.envs.server import build_app
 from corral.sandboxes.base import SandboxProvider
-from corral.sandboxes.bwrap import BwrapProvider
+from corral.sandboxes.bwrap import CGROUP_ROOT, BwrapProvider
 from corral.sandboxes.local import LocalProvider
 from tests.conftest import ROOT, SANDBOX_IMAGE
-from tests.processes import kill_processes_in
+from tests.processes import kill_processes_in, kill_processes_of_cgroup
 from tests.servers import free_port, serve
 
 GRIDSIM = ROOT / "bundles" / "gridsim"
@@ -109,7 +109,8 @@ class ProbeEnv:
                 writable = False
             info = {"pid": os.getpid(), "cwd": os.getcwd(), "uid": os.getuid(),
                     "code_writable": writable, "tasks_shipped": os.path.exists(
-                        os.path.join(os.path.dirname(__file__), "tasks", "train.jsonl"))}
+                        os.path.join(os.path.dirname(__file__), "tasks", "train.jsonl")),
+                    "shipped": sorted(os.listdir(os.path.dirname(__file__)))}
             return ToolOutcome(json.dumps(info))
         return ToolOutcome("unknown tool", error=True)
 
@@ -184,7 +185,7 @@ async def test_gridsim_in_a_sandbox_grades_like_in_process(isolating: SandboxPro
                     data = bundle.task("eval", index).data
                     schedule = greedy_schedule(data["prices"], Battery(**data["battery"]))
                     sim = await env.call_tool("simulate_schedule", {"schedule": schedule})
-                    assert not sim.observation.tool_error and not sim.done
+                    assert not sim.observation.is_error and not sim.done
                     out = await env.call_tool("submit_schedule", {"schedule": schedule})
                     assert out.done and out.observation.status == "graded"
                     rewards[where].append(out.reward)
@@ -204,11 +205,12 @@ async def test_env_code_is_read_only_and_tasks_stay_outside(
         async with EnvClient(url) as env:
             await env.reset(split="train", index=0)
             out = await env.call_tool("where", {})
-            info = json.loads(out.observation.content)
+            info = json.loads(out.observation.text)
             assert info["cwd"] == "/work"
             assert info["uid"] != 0
             assert info["code_writable"] is False
             assert info["tasks_shipped"] is False  # the answers' source never enters
+            assert info["shipped"] == ["env.py", "helper.py"]  # the env side: no verifier
             assert info["pid"] != os.getpid()
     assert await isolating.list_owned() == []
 
@@ -220,18 +222,21 @@ async def test_env_failures_are_clear_and_leave_nothing(
         async with EnvClient(url) as env:
             await env.reset(split="train", index=0)
             noisy = await env.call_tool("noisy", {})
-            assert noisy.observation.content == "quiet answer"
-            with pytest.raises(EnvServerError) as boom:
-                await env.call_tool("boom", {})
-            assert boom.value.code == "EXECUTION_ERROR"
-            assert "RuntimeError: the probe blew up on purpose (helper.py:3)" in str(boom.value)
+            assert noisy.observation.text == "quiet answer"
+            boom = await env.call_tool("boom", {})
+            assert boom.done and boom.reward is None and boom.observation.status == "error"
+            assert boom.observation.error is not None
+            assert boom.observation.error.error_type == "execution_error"
+            assert (
+                "RuntimeError: the probe blew up on purpose (helper.py:3)" in boom.observation.text
+            )
             assert await isolating.list_owned() == []  # the failed env's sandbox is gone
 
             await env.reset(split="train", index=0)
             started = time.monotonic()
-            with pytest.raises(EnvServerError) as hang:
-                await env.call_tool("hang", {})
-            assert hang.value.code == "TOOL_TIMEOUT"
+            hang = await env.call_tool("hang", {})
+            assert hang.done and hang.observation.error is not None
+            assert hang.observation.error.error_type == "timeout"
             assert time.monotonic() - started < 10
             assert await isolating.list_owned() == []  # the timeout killed the sandbox
 
@@ -239,7 +244,7 @@ async def test_env_failures_are_clear_and_leave_nothing(
             done = await env.call_tool("echo", {"done": True})
             assert done.done and done.reward == 1.0
             state = await env.state()
-            assert state["env"] == {"calls": ["echo"]}  # the final state outlives the sandbox
+            assert state.env == {"calls": ["echo"]}  # the final state outlives the sandbox
     assert await isolating.list_owned() == []
 
 
@@ -250,9 +255,12 @@ async def _kill_sandbox_of(provider: SandboxProvider) -> None:
 
         await asyncio.to_thread(_remove, provider.client, sid)  # type: ignore[attr-defined]
     else:
-        folder = provider.records.root / sid  # type: ignore[attr-defined]
-        # The runner is bwrap's grandchild: every process working in the folder goes.
-        assert kill_processes_in(folder) > 0
+        procs = CGROUP_ROOT / "pids" / "corral" / sid / "cgroup.procs"
+        if procs.exists():  # every process of the sandbox, the (non-dumpable) runner included
+            assert kill_processes_of_cgroup(procs) > 0
+        else:  # no cgroups here: the processes working in the folder (not the runner itself)
+            folder = provider.records.root / sid  # type: ignore[attr-defined]
+            assert kill_processes_in(folder) > 0
 
 
 async def test_a_killed_sandbox_fails_the_episode_clearly(
@@ -263,13 +271,13 @@ async def test_a_killed_sandbox_fails_the_episode_clearly(
             await env.reset(split="train", index=0)
             await env.call_tool("echo", {})
             await _kill_sandbox_of(isolating)
-            with pytest.raises(EnvServerError) as lost:
-                await env.call_tool("echo", {})
-            assert lost.value.code == "EXECUTION_ERROR"
-            assert "the env stopped answering" in str(lost.value)
+            lost = await env.call_tool("echo", {})
+            assert lost.done and lost.observation.error is not None
+            assert lost.observation.error.error_type == "execution_error"
+            assert "the env stopped answering" in lost.observation.text
             # The socket lives on: the next episode gets a fresh sandbox.
             await env.reset(split="train", index=0)
-            assert not (await env.call_tool("echo", {})).observation.tool_error
+            assert not (await env.call_tool("echo", {})).observation.is_error
     assert await isolating.list_owned() == []
 
 
@@ -285,7 +293,7 @@ async def test_local_backend_runs_the_env_in_a_subprocess(tmp_path: Path, probe:
             assert "NO isolation" in (await http.get(f"{url}/health")).json()["envs"]
         async with EnvClient(url) as env:
             await env.reset(split="train", index=0)
-            info = (await env.call_tool("where", {})).observation.content
+            info = (await env.call_tool("where", {})).observation.text
             assert f'"pid": {os.getpid()}' not in info
     assert await provider.list_owned() == []
 
@@ -330,7 +338,7 @@ async def test_nothing_survives_a_sigkilled_server_once_the_next_one_sweeps(
     try:
         async with EnvClient(url) as client:
             await client.reset(split="train", index=0)
-            assert '"pid"' in (await client.call_tool("where", {})).observation.content
+            assert '"pid"' in (await client.call_tool("where", {})).observation.text
             server_owned = set(await watcher.ids()) - before
             assert len(server_owned) == 1, "the first server's episode has one sandbox"
             os.killpg(server.pid, signal.SIGKILL)
@@ -383,7 +391,7 @@ async def test_shellcraft_is_solved_in_a_sandbox_and_an_idle_episode_scores_zero
                 await env.reset(task_id=task.id)
                 for command in solve(task.data):
                     out = await env.call_tool("bash", {"command": command})
-                    assert out.observation.content.startswith("exit code: 0"), out
+                    assert out.observation.text.startswith("exit code: 0"), out
                 done = await env.call_tool("submit", {})
                 assert done.done and done.reward == pytest.approx(1.0), (family, done)
             await env.reset(task_id=tasks[0].id)

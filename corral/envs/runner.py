@@ -22,12 +22,26 @@ request                                        answer (``{"ok": ...}`` or ``{"er
 An error answer is ``{"error": {"type", "message", "where"}}`` (``where``: the last frame in the
 bundle's code). After an error in ``start`` or ``reset`` the runner exits; after an error in a
 tool call it keeps serving (the server decides: it ends the episode). The env's own prints go
-to stderr: the runner moves file descriptor 1 to a private copy before importing any bundle
-code, so nothing can write into the protocol stream by accident.
+to stderr.
+
+Before any bundle code is imported, :func:`harden` puts the runner out of reach of the
+commands its env runs for the model (those run through the backend's jail as well, see
+:mod:`corral.envs.model_actions`; this is the part that holds even where the jail is empty):
+
+- the process is made non-dumpable (``prctl(PR_SET_DUMPABLE, 0)``): its ``/proc/<pid>/mem``,
+  ``maps``, ``environ`` and ``fd/`` then need ``CAP_SYS_PTRACE`` over it, which no model
+  command holds in any isolating backend, even one running as the runner's own uid;
+- the protocol streams move off file descriptors 0 and 1 to private, close-on-exec copies, and
+  0 and 1 become ``/dev/null`` and stderr: a child that inherits the standard descriptors
+  cannot read requests or forge answers, and the env's prints cannot corrupt the stream;
+- the environment is cut to the few variables the runner and the env need
+  (:data:`KEPT_VARIABLES`): whatever the backend or its image put there stays out of the
+  env's children.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import sys
@@ -37,6 +51,42 @@ from typing import IO, Any
 
 from corral.envs.episode import END_TURN_TOOL, Task, ToolOutcome
 from corral.envs.importing import bundle_package, import_file
+
+PR_SET_DUMPABLE = 4
+# What the env process keeps of its environment (see :func:`harden`); the rest is dropped.
+KEPT_VARIABLES = (
+    "PATH",
+    "HOME",
+    "LANG",
+    "LC_ALL",
+    "TZ",
+    "PYTHONPATH",
+    "PYTHONDONTWRITEBYTECODE",
+    "CORRAL_MODEL_JAIL",
+)
+
+
+def harden() -> tuple[IO[bytes], IO[bytes]]:
+    """Make this process unreachable from its children (module docstring) and return the
+    private protocol streams (requests, answers). Raises ``OSError`` when the process cannot be
+    made non-dumpable: serving anyway would leave its memory open to the model's commands."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_DUMPABLE, 0) failed: {os.strerror(err)}")
+    # os.dup's copies are non-inheritable (close-on-exec): no child ever holds the protocol.
+    requests = os.fdopen(os.dup(0), "rb")
+    answers = os.fdopen(os.dup(1), "wb")
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.dup2(2, 1)  # the env's prints go to stderr, never into the protocol
+    sys.stdin = open(os.devnull)  # noqa: SIM115 -- lives as long as the process
+    sys.stdout = sys.stderr
+    for name in list(os.environ):
+        if name not in KEPT_VARIABLES:
+            del os.environ[name]
+    return requests, answers
 
 
 def _error(exc: BaseException, root: Path) -> dict[str, Any]:
@@ -110,10 +160,8 @@ def main(argv: list[str]) -> int:
     if len(argv) != 4:
         print("usage: python3 -m corral.envs.runner BUNDLE_DIR MODULE CLASS NAME", file=sys.stderr)
         return 2
-    answers = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # the env's prints go to stderr, never into the protocol
-    sys.stdout = sys.stderr
-    serve(Runner(Path(argv[0]), argv[1], argv[2], argv[3]), sys.stdin.buffer, answers)
+    requests, answers = harden()
+    serve(Runner(Path(argv[0]), argv[1], argv[2], argv[3]), requests, answers)
     return 0
 
 

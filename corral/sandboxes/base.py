@@ -20,6 +20,24 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 OWNER_LABEL = "corral.owner"
+# Where the env server puts the env runner's code in a sandbox that mounts host folders:
+# the model jails of bwrap and docker keep it out of the model's sight (and reach).
+RUNNER_ROOT = "/opt/corral"
+
+
+def setpriv_jail(uid: int, *, setpcap: bool, setpriv: str = "setpriv") -> tuple[str, ...]:
+    """The prefix that runs a command as ``uid`` (gid the same) from a privileged runner:
+    no supplementary groups, no inheritable capabilities, ``no_new_privs`` (no setuid binary
+    or file capability gives anything back). The uid change itself clears the permitted and
+    effective capabilities. ``setpcap``: the caller holds ``CAP_SETPCAP``, so the bounding set
+    is emptied as well (a container runner holding only what it needs cannot, and need not:
+    with ``no_new_privs`` nothing in the bounding set can be regained)."""
+    argv = [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all"]
+    if setpcap:
+        argv.append("--bounding-set=-all")
+    return (*argv, "--no-new-privs", "--")
+
+
 SANDBOX_LABEL = "corral.sandbox"
 
 

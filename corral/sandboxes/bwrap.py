@@ -32,6 +32,19 @@ A timeout SIGKILLs the ``bwrap`` process group; ``--die-with-parent`` then takes
 namespace's pid 1, and with it every process inside.
 
 Defaults when the spec leaves a limit ``None``: 1024 MB memory, 256 pids, no CPU cap.
+
+Model actions (:meth:`BwrapProvider.model_jail`): the env's runner and the model's commands
+share the sandbox's uid, so the uid cannot separate them; a nested ``bwrap`` does. Each model
+command gets its own user namespace (a child of the sandbox's: no capability over the runner)
+and its own pid namespace (the runner's pid names nothing there: ``kill``, ``pidfd_send_signal``
+on a ``/proc/<pid>`` fd fail), with :data:`~corral.sandboxes.base.RUNNER_ROOT` (the runner's
+code) covered by an empty tmpfs; the sandbox's filesystem, network and seccomp filter (which
+refuses ``ptrace`` and, under ``none``, internet sockets) carry over unchanged. A fresh
+``/proc`` cannot be mounted there (the outer one has covered paths), so the outer one stays:
+the runner's entries are visible, but the runner makes itself non-dumpable
+(:mod:`corral.envs.runner`), which puts its ``mem``, ``environ`` and ``fd/`` behind
+``CAP_SYS_PTRACE`` in the sandbox's user namespace, held by nothing inside. About 10 ms a
+command.
 """
 
 from __future__ import annotations
@@ -50,6 +63,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from corral.sandboxes.base import (
+    RUNNER_ROOT,
     Endpoint,
     ExecResult,
     Sandbox,
@@ -140,6 +154,7 @@ class BwrapSandbox(HostFolderFiles, Sandbox):
             argv += ["--ro-bind-try", path, path]
         argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
         argv += ["--bind", str(self.folder), self.spec.workdir]
+        argv += ["--dir", RUNNER_ROOT]  # always there, so that the model jail can cover it
         for b in self.spec.binds:
             argv += ["--bind" if b.writable else "--ro-bind", str(b.source), b.target]
         argv += ["--chdir", cwd, "--clearenv"]
@@ -285,6 +300,27 @@ class BwrapProvider(SandboxProvider):
         self.records = RecordStore(state_dir or DEFAULT_STATE_DIR, self.name)
         self.cgroup_root = cgroup_root
         self.bwrap = bwrap
+
+    def model_jail(self, spec: SandboxSpec) -> tuple[str, ...]:
+        """A nested ``bwrap`` (module docstring): new user, pid and ipc namespaces, dying with
+        its parent, the sandbox's root as it is but :data:`RUNNER_ROOT` hidden.
+        :class:`SandboxError` when the host's ``bwrap`` is not under ``/usr`` (the only host
+        folder a sandbox sees)."""
+        path = shutil.which(self.bwrap)
+        if path is None or not Path(path).resolve().is_relative_to("/usr"):
+            raise SandboxError(
+                f"{self.bwrap!r} resolves to {path}: not under /usr, not in a sandbox"
+            )
+        return (
+            str(Path(path).resolve()),
+            "--unshare-user",
+            "--unshare-pid",
+            "--unshare-ipc",
+            "--die-with-parent",
+            "--dev-bind", "/", "/",
+            "--tmpfs", RUNNER_ROOT,
+            "--",
+        )  # fmt: skip
 
     def _make_cgroups(self, sid: str, spec: SandboxSpec) -> dict[str, Path]:
         """Create and configure the cgroups; ``{}`` (limits not enforced) when not allowed."""

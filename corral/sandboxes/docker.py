@@ -16,9 +16,22 @@ What each container gets (``DockerProvider.create``):
   ``nano_cpus``), ``pids`` (default 256), read-only root, ``/tmp`` a 64 MiB tmpfs, the working
   folder a tmpfs-backed volume of ``disk_mb`` (default 256) so that files can be copied in and
   out with ``put_archive``/``get_archive`` even with the read-only root;
-- user 1000:1000 (never root), ``cap_drop=["ALL"]``, ``security_opt=["no-new-privileges"]``,
-  its own pid/ipc/uts namespaces (docker's default), no host bind unless ``spec.binds`` asks
-  (read-only unless ``writable``);
+- user 1000:1000 for :meth:`DockerSandbox.exec` and files, ``cap_drop=["ALL"]`` but
+  :data:`RUNNER_CAPS`, ``security_opt=["no-new-privileges"]``, its own pid/ipc/uts namespaces
+  (docker's default), no host bind unless ``spec.binds`` asks (read-only unless ``writable``);
+- :meth:`DockerSandbox.spawn` (the env's runner) as uid :data:`RUNNER_UID` (999) holding
+  only :data:`RUNNER_CAPS`, as ambient capabilities (``setpriv`` from root):
+  ``SETUID``/``SETGID`` to start model actions as uid 1000 (:meth:`DockerProvider.model_jail`:
+  ``setpriv`` again, leaving no capability), ``DAC_OVERRIDE`` to read its code (a host bind
+  whose files are the server's user's only) and the model's files in the working folder
+  whatever their modes. A process of uid 1000 with no capabilities cannot signal, trace or
+  read (``/proc/<pid>/mem``, ``environ``, ``fd/``) a process of another uid, nor read
+  owner-only files it does not own; docker's seccomp profile refuses the nested user
+  namespaces that would give it capabilities, and ``no-new-privileges`` makes setuid binaries
+  and file capabilities inert. The container's configured user is root, with only
+  :data:`RUNNER_CAPS` in its bounding set: docker empties the permitted set of every exec of a
+  container whose configured user is not root, whatever user the exec asks for, so the runner
+  could not get its capabilities otherwise. Every exec but spawn's names uid 1000;
 - labels: ``corral.owner``, ``corral.sandbox`` (the name, chosen before the create call), the
   owner's host, boot id, pid and process start time, the expiry time, and ``spec.labels``.
   Labels are set atomically with the create call, so a server that crashes between "create
@@ -61,6 +74,7 @@ from corral.sandboxes.base import (
     SandboxProcess,
     SandboxProvider,
     SandboxSpec,
+    setpriv_jail,
 )
 from corral.sandboxes.cgroups import event_count
 from corral.sandboxes.image import DEFAULT_TAG
@@ -72,9 +86,26 @@ DEFAULT_CPUS = 1.0
 DEFAULT_PIDS = 256
 DEFAULT_DISK_MB = 256
 TMP_MB = 64
-UID = 1000  # the unprivileged user everything inside runs as
+UID = 1000  # the unprivileged user exec, files and model actions run as
+EXEC_USER = f"{UID}:{UID}"  # exec, file transfers through exec, the bookkeeping
+RUNNER_USER = "0:0"  # the container's own user, and spawn's until it becomes RUNNER_UID
+RUNNER_UID = 999  # spawn (the env's runner): neither root nor the model's uid
+RUNNER_CAPS = ("SETUID", "SETGID", "DAC_OVERRIDE")
+# spawn's command goes from root to RUNNER_UID keeping only RUNNER_CAPS, as ambient
+# capabilities (so that they survive the exec of python, which has no file capabilities).
+_CAPS = ",".join(f"+{c.lower()}" for c in RUNNER_CAPS)
+_RUNNER_SETPRIV = (
+    "setpriv",
+    f"--reuid={RUNNER_UID}",
+    f"--regid={RUNNER_UID}",
+    "--clear-groups",
+    f"--inh-caps={_CAPS}",
+    f"--ambient-caps={_CAPS}",
+    "--",
+)
 HOST_GRACE_S = 3.0  # host-side kill this long after the in-sandbox timeout should have fired
 _STATE_DIR = "/tmp/.corral"  # exec bookkeeping inside the sandbox (stdin files)
+_RUNNER_STATE_DIR = "/tmp/.corral-runner"  # spawn's, root's only: model actions cannot forge it
 
 
 def _client() -> Any:
@@ -113,6 +144,8 @@ class DockerSandbox(Sandbox):
     # -- exec ---------------------------------------------------------------------------------
 
     async def _raw(self, cmd: list[str], **kw: Any) -> tuple[int, bytes, bytes]:
+        kw.setdefault("user", EXEC_USER)
+
         def run() -> tuple[int, bytes, bytes]:
             res = self._container.exec_run(cmd, demux=True, **kw)
             out, err = res.output if res.output else (None, None)
@@ -232,8 +265,11 @@ class DockerSandbox(Sandbox):
         if not cmd:
             raise ValueError("spawn needs a command")
         tag = uuid.uuid4().hex[:12]
-        sid_file = f"{_STATE_DIR}/{tag}.sid"
-        inner = f'mkdir -p {_STATE_DIR}; ps -o sid= -p $$ > {sid_file}; exec "$@"'
+        sid_file = f"{_RUNNER_STATE_DIR}/{tag}.sid"
+        inner = (
+            f"mkdir -p -m 700 {_RUNNER_STATE_DIR}; ps -o sid= -p $$ > {sid_file}; "
+            f'exec {" ".join(_RUNNER_SETPRIV)} "$@"'
+        )
 
         def create() -> str:
             made = self._client.api.exec_create(
@@ -245,6 +281,7 @@ class DockerSandbox(Sandbox):
                 tty=False,
                 environment=dict(env or {}),
                 workdir=cwd or self._spec.workdir,
+                user=RUNNER_USER,
             )
             return str(made["Id"])
 
@@ -257,7 +294,7 @@ class DockerSandbox(Sandbox):
         async def kill_session() -> None:
             script = f"s=$(cat {sid_file} 2>/dev/null) && pkill -KILL -s $s; rm -f {sid_file}"
             with contextlib.suppress(SandboxError):
-                await self._raw(["sh", "-c", script])
+                await self._raw(["sh", "-c", script], user=RUNNER_USER)
 
         return DockerProcess(reader, writer, kill_session)
 
@@ -501,6 +538,12 @@ class DockerProvider(SandboxProvider):
             self._client = _client()
         return self._client
 
+    def model_jail(self, spec: SandboxSpec) -> tuple[str, ...]:
+        """``setpriv`` from the runner (:data:`RUNNER_UID` with :data:`RUNNER_CAPS`) to :data:`UID`
+        (module docstring). The bounding set stays (dropping it needs ``CAP_SETPCAP``, which
+        the runner does not hold); ``no-new-privileges`` keeps anything in it out of reach."""
+        return setpriv_jail(UID, setpcap=False)
+
     def _labels(self, name: str, spec: SandboxSpec) -> dict[str, str]:
         return {
             **spec.labels,
@@ -557,7 +600,10 @@ class DockerProvider(SandboxProvider):
             command=keeper,
             name=name,
             hostname="sandbox",
-            user=f"{UID}:{UID}",  # never root inside, even with every capability dropped
+            # Root, so that the runner's exec gets RUNNER_CAPS: docker empties the permitted
+            # and effective sets of every exec of a container whose configured user is not
+            # root, whatever user the exec asks for. Every other exec names EXEC_USER.
+            user=RUNNER_USER,
             labels=labels,
             environment=dict(spec.env),
             working_dir=spec.workdir,
@@ -570,6 +616,7 @@ class DockerProvider(SandboxProvider):
             tmpfs={"/tmp": f"rw,nosuid,nodev,exec,size={TMP_MB}m,mode=1777"},
             mounts=mounts,
             cap_drop=["ALL"],
+            cap_add=list(RUNNER_CAPS),
             security_opt=["no-new-privileges"],
             init=True,
             auto_remove=False,

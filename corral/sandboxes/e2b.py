@@ -40,6 +40,13 @@ these kills but dies with the sandbox at ``close``. The template needs ``sh``, `
 
 What can be tested without E2B's service is tested against a stand-in of it
 (``tests/test_sandbox_e2b.py``); ``docs/e2b.md`` has the manual check against the real service.
+
+Model actions (:meth:`SandboxProvider.model_jail`): empty for now. E2B runs commands as the
+template's ``user`` or as ``root``; running the runner as root and the model's commands through
+``setpriv`` to ``user`` (as the docker backend does) would keep them apart, but the test
+stand-in runs every command as the host's own user, where that switch cannot be checked.
+What holds is the runner's own hardening (:mod:`corral.envs.runner`: non-dumpable, private
+protocol descriptors); the model can still signal the runner and change its uploaded code.
 """
 
 from __future__ import annotations

@@ -55,6 +55,13 @@ applies; ``spec.pids`` is ignored, with a warning); the NetworkPolicy on a clust
 plugin does not enforce NetworkPolicy (flannel alone, kind before v0.24: the policy is stored and
 silently ignored; see docs/kubernetes.md). ``timeout`` does not bound what a command started
 with ``setsid`` (it leaves the session): that dies with the Pod, at ``close`` or the deadline.
+
+Model actions (:meth:`SandboxProvider.model_jail`): empty. The Pod follows the "restricted"
+Pod Security standard (``runAsNonRoot``, every capability dropped, no privilege escalation,
+the runtime's seccomp profile, which refuses user namespaces), so there is no second uid to
+switch to and no nested namespace to make: the runner and the model share uid 1000. What holds
+is the runner's own hardening (:mod:`corral.envs.runner`: non-dumpable, private protocol
+descriptors); the model can still signal the runner and change its uploaded code.
 """
 
 from __future__ import annotations

@@ -4,6 +4,15 @@
 network, its view of every file and process on the host, and no resource limits. The sandbox's
 ``workdir`` is only a *name* mapped to a temporary folder; nothing stops a command from leaving
 it. Never run untrusted model actions with this backend: use ``bwrap`` or ``docker``.
+
+Model actions (:meth:`LocalProvider.model_jail`): when the server runs as root, each model
+command runs through ``setpriv`` as an unprivileged uid (:data:`NOBODY` unless the provider is
+given another), and the sandbox's folder is that uid's: it then cannot signal or trace the
+runner, read its memory, environment or file descriptors (root's, and non-dumpable), nor read
+root's private files. It still sees every process and every world-readable file of the host
+(the bundle's own grading code included) and the host's network. When the server is not root
+there is no other uid to switch to and the jail is empty: the model's commands run as the
+runner's own uid and can signal it (its memory stays closed: the runner is non-dumpable).
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import Literal
 
 from corral.sandboxes.base import (
     MAX_LINE,
@@ -29,10 +39,12 @@ from corral.sandboxes.base import (
     SandboxProcess,
     SandboxProvider,
     SandboxSpec,
+    setpriv_jail,
 )
 from corral.sandboxes.records import Record, RecordStore
 
 DEFAULT_STATE_DIR = Path(tempfile.gettempdir()) / "corral-sandboxes"
+NOBODY = 65534  # the model's uid (and gid) when the server runs as root
 # After a kill, how long to wait for the pipes to drain: a grandchild that left the process
 # group may hold them open, and it must not hang exec.
 _DRAIN_S = 1.0
@@ -305,9 +317,31 @@ class LocalProvider(SandboxProvider):
     host_binds = False  # nothing is mounted: commands see the host's own paths
     isolated = False
 
-    def __init__(self, owner: str, state_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        owner: str,
+        state_dir: Path | None = None,
+        *,
+        model_uid: int | Literal["auto"] | None = "auto",
+    ) -> None:
+        """``model_uid``: the uid model actions run as; ``"auto"``: :data:`NOBODY` when this
+        process is root, else ``None`` (the server's own uid: no jail, see the module doc)."""
         self.owner = owner
         self.records = RecordStore(state_dir or DEFAULT_STATE_DIR, self.name)
+        if model_uid == "auto":
+            model_uid = NOBODY if os.geteuid() == 0 else None
+        self.model_uid = model_uid
+
+    def model_jail(self, spec: SandboxSpec) -> tuple[str, ...]:
+        """``setpriv`` to :attr:`model_uid`, or nothing when there is none (module doc).
+        :class:`SandboxError` when there is one but no ``setpriv`` (util-linux) on the host:
+        running the model as root instead would be the wrong failure."""
+        if self.model_uid is None:
+            return ()
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            raise SandboxError("the local backend as root needs setpriv (util-linux)")
+        return setpriv_jail(self.model_uid, setpcap=True, setpriv=setpriv)
 
     async def create(self, spec: SandboxSpec) -> LocalSandbox:
         """A new temporary folder, recorded first. :class:`SandboxError` if it cannot be made
@@ -319,7 +353,10 @@ class LocalProvider(SandboxProvider):
                 Record.mine(sid, self.name, self.owner, spec.ttl_s, folder=str(folder))
             )
             folder.mkdir(parents=True)
+            if self.model_uid is not None:  # the model's work folder is the model's
+                os.chown(folder, self.model_uid, self.model_uid)
         except OSError as e:
+            shutil.rmtree(folder, ignore_errors=True)
             self.records.remove(sid)
             raise SandboxError(f"cannot create local sandbox: {e}") from e
         return LocalSandbox(sid, folder, spec, self.records)

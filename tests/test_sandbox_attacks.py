@@ -1,0 +1,256 @@
+"""Model actions against the env's runner, on every backend that runs here (local, bwrap,
+docker with the test daemon): a real :class:`~corral.envs.hosting.SandboxHost` for shellcraft,
+an episode whose bash commands attack (tests/sandbox_attacks.py), and the verifier's own
+grading afterwards.
+
+The attack program reports each attempt; the tests assert that every one that the backend
+documents as stopped was refused (the report is the proof that it ran), that no needle (the
+task's canary id and seed in the runner's memory, a secret in the server's environment, the
+env server's token) shows up anywhere in what the model saw, that the runner still answers,
+and that the episode grades: idle 0, the reference commands 1. The kubernetes and e2b backends
+cannot run here (no cluster, no E2B account) and their jails are empty (docs/sandboxes.md
+says why): :func:`test_kubernetes_and_e2b_jails_are_documented_as_empty` pins that.
+
+The unjailed local backend as root is the control: there the model's shell is root, reads the
+runner's memory and finds the seed: the original cheat, so the attack is known to detect it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import json
+import os
+import secrets
+import shutil
+import subprocess
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from bundles.shellcraft.solver import solve as reference
+from corral.envs.bundle import Bundle, load_bundle
+from corral.envs.hosting import EnvHandle, SandboxHost
+from corral.envs.server import build_app, env_host
+from corral.sandboxes.base import SandboxProvider, SandboxSpec
+from corral.sandboxes.bwrap import BwrapProvider
+from corral.sandboxes.local import LocalProvider
+from corral.serving import serve_in_thread
+from tests.conftest import ROOT, SANDBOX_IMAGE
+from tests.sandbox_attacks import attack_command
+
+SHELLCRAFT = ROOT / "bundles" / "shellcraft"
+SECRET_VARIABLE = "CORRAL_ATTACK_TEST_SECRET"
+
+# What each backend keeps from the model (docs/sandboxes.md, the threat model): the attacks
+# that must be refused there. The rest are reported as the documented behaviour.
+ALWAYS = (
+    "mem_read",
+    "runner_environ",
+    "fd_open",
+    "own_fds",
+    "own_stdin",
+    "environ",
+    "import_verifier",
+    "runner_cwd",
+    "ptrace_attach",
+    "mem_write",
+)
+SIGNALS = ("signal_0", "signal_stop", "signal_kill", "pidfd_signal")
+CODE = ("code_list", "code_write", "grading_code")
+REFUSED = {
+    "local-root": (*ALWAYS, *SIGNALS, "code_list", "code_write", "maps", "fd_list"),
+    "bwrap": (*ALWAYS, *SIGNALS, *CODE, "server_port", "maps"),
+    "docker": (*ALWAYS, *SIGNALS, *CODE, "server_port", "maps", "fd_list"),
+}
+
+
+@pytest.fixture(scope="module")
+def bundle() -> Bundle:
+    return load_bundle(SHELLCRAFT)
+
+
+@pytest.fixture(scope="module")
+def server_port(bundle: Bundle) -> Iterator[tuple[int, str]]:
+    """A real env server on 127.0.0.1 (its own local backend), and its token: the port the
+    model tries to reach, the token it must not find."""
+    token = secrets.token_hex(16)
+    app = build_app(bundle, token=token, sandbox=LocalProvider("attack-target"))
+    with serve_in_thread(app) as url:
+        yield int(url.rsplit(":", 1)[1].split("/")[0]), token
+
+
+@pytest.fixture
+def server_secret(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A secret in the server's environment: set in this process (whose children must not
+    get it), and in the initial environment of a process of the server's user (``cat`` on a
+    pipe, alive until the test ends), since ``/proc/<pid>/environ`` shows only that one."""
+    value = secrets.token_hex(16)
+    monkeypatch.setenv(SECRET_VARIABLE, value)
+    holder = subprocess.Popen(["cat"], stdin=subprocess.PIPE, env={SECRET_VARIABLE: value})
+    try:
+        yield value
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+async def _open(bundle: Bundle, provider: SandboxProvider) -> SandboxHost:
+    host = env_host(bundle, provider)
+    assert isinstance(host, SandboxHost)
+    await host.open()
+    return host
+
+
+async def _bash(env: EnvHandle, command: str) -> str:
+    outcome = await env.call_tool("bash", {"command": command})
+    return outcome.content
+
+
+@dataclasses.dataclass
+class Played:
+    attacks: dict[str, str]
+    seen: str  # everything the model's tools answered
+    scores: dict[str, float]
+
+
+async def _play(
+    bundle: Bundle,
+    provider: SandboxProvider,
+    needles: list[bytes],
+    port: int,
+    *,
+    solve: bool,
+    gentle: bool = False,
+) -> Played:
+    """One episode: the attack, a check that the runner answers, the reference commands (when
+    ``solve``), submit, and the verifier's grade of the env's final state."""
+    host = await _open(bundle, provider)
+    task = dataclasses.replace(bundle.task("train", 0), id=needles[0].decode())
+    env = await host.start()
+    try:
+        await env.reset(task)
+        roots = [host.code_root]
+        encoded = [base64.b64encode(n).decode() for n in needles]
+        command = attack_command(encoded, port, roots, gentle=gentle)
+        report = await _bash(env, command)
+        seen = report
+        line = next((x for x in report.splitlines() if x.startswith("ATTACKS ")), None)
+        assert line is not None, f"the attack did not run to its end: {report[-3000:]}"
+        attacks = json.loads(line.removeprefix("ATTACKS "))
+        alive = await _bash(env, "echo still-here")  # the runner survived every attack
+        assert "still-here" in alive, alive
+        for step in reference(task.data) if solve else []:
+            seen += await _bash(env, step)
+        await env.call_tool("submit", {})
+        scores = bundle.grade(task, await env.state())
+    finally:
+        await env.close()
+        await host.aclose()
+    assert await provider.list_owned() == []
+    return Played(attacks, seen, scores)
+
+
+def _needles(bundle: Bundle, secret: str, token: str) -> list[bytes]:
+    """The canary task id (first), the task's seed as the runner got it, the two secrets."""
+    seed = bundle.task("train", 0).data["seed"]
+    canary = f"canary-{secrets.token_hex(12)}"
+    return [canary.encode(), f'"seed":{seed}'.encode(), secret.encode(), token.encode()]
+
+
+def _check(played: Played, backend: str, needles: list[bytes]) -> None:
+    attacks = played.attacks
+    print(backend, json.dumps(attacks, indent=1))  # the report, for -s
+    assert attacks["runner_found"].startswith("GOT"), attacks  # else every attack hit nothing
+    got = {k: v for k, v in attacks.items() if k in REFUSED[backend] and v.startswith("GOT")}
+    assert got == {}, f"{backend}: attacks that got through: {got}\nall: {attacks}"
+    for needle in needles[2:]:  # the server's secrets, anywhere in what the model was shown
+        assert needle.decode() not in played.seen
+
+
+def _run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the jailed local backend needs root")
+def test_local_as_root_jails_the_model_as_nobody(
+    bundle: Bundle, server_port: tuple[int, str], server_secret: str
+) -> None:
+    """As root, local runs model commands as nobody: the runner is out of reach, but the host's
+    files (the bundle's grading code in its folder) and network are not: documented."""
+    port, token = server_port
+    needles = _needles(bundle, server_secret, token)
+    provider = LocalProvider(f"attacks-local-{secrets.token_hex(4)}")
+    assert provider.model_jail(SandboxSpec())[0].endswith("setpriv")
+    played = _run(_play(bundle, provider, needles, port, solve=True))
+    _check(played, "local-root", needles)
+    assert played.attacks["grading_code"].startswith("GOT"), played.attacks  # not kept: local
+    assert played.attacks["server_port"].startswith("GOT"), played.attacks  # the host's network
+    assert played.scores["correct"] == 1.0, played.scores
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the control reads memory as root")
+def test_unjailed_local_as_root_is_the_original_cheat(
+    bundle: Bundle, server_port: tuple[int, str], server_secret: str
+) -> None:
+    """The control: local with no jail (``model_uid=None``) as root. The model's shell is root
+    (``CAP_SYS_PTRACE``): it reads the runner's memory despite the runner being non-dumpable and
+    finds the canary task id and the seed, signals it, reads its environment. So the attack
+    detects the cheat that the jails stop. Graded anyway: idle scores 0."""
+    port, token = server_port
+    needles = _needles(bundle, server_secret, token)
+    provider = LocalProvider(f"attacks-control-{secrets.token_hex(4)}", model_uid=None)
+    assert provider.model_jail(SandboxSpec()) == ()
+    played = _run(_play(bundle, provider, needles, port, solve=False, gentle=True))
+    attacks = played.attacks
+    assert attacks["mem_read"].startswith("GOT") and "needles [0" in attacks["mem_read"], attacks
+    assert attacks["environ"].startswith("GOT needles [2"), attacks  # the server's secret
+    assert attacks["signal_0"] == "GOT delivered", attacks
+    assert attacks["runner_environ"].startswith("GOT"), attacks
+    assert played.scores["correct"] == 0.0, played.scores
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+def test_bwrap_keeps_the_runner_from_the_model(
+    bundle: Bundle, server_port: tuple[int, str], server_secret: str, tmp_path: Any
+) -> None:
+    port, token = server_port
+    needles = _needles(bundle, server_secret, token)
+    provider = BwrapProvider(f"attacks-bwrap-{secrets.token_hex(4)}", state_dir=tmp_path)
+    played = _run(_play(bundle, provider, needles, port, solve=True))
+    _check(played, "bwrap", needles)
+    assert played.scores["correct"] == 1.0, played.scores
+    idle = _run(_play(bundle, provider, needles, port, solve=False))
+    _check(idle, "bwrap", needles)
+    assert idle.scores["correct"] == 0.0 and idle.scores["partial"] == 0.0, idle.scores
+
+
+def test_docker_keeps_the_runner_from_the_model(
+    docker_daemon: None, bundle: Bundle, server_port: tuple[int, str], server_secret: str
+) -> None:
+    from corral.sandboxes.docker import DockerProvider
+
+    port, token = server_port
+    needles = _needles(bundle, server_secret, token)
+    provider = DockerProvider(f"attacks-docker-{secrets.token_hex(4)}", image=SANDBOX_IMAGE)
+    played = _run(_play(bundle, provider, needles, port, solve=True))
+    _check(played, "docker", needles)
+    assert played.scores["correct"] == 1.0, played.scores
+    idle = _run(_play(bundle, provider, needles, port, solve=False))
+    _check(idle, "docker", needles)
+    assert idle.scores["correct"] == 0.0, idle.scores
+
+
+def test_kubernetes_and_e2b_jails_are_documented_as_empty() -> None:
+    """No cluster and no E2B account here, and their stand-ins run commands as this host's
+    user: the jails are empty by decision (docs/sandboxes.md), which this pins so that a
+    change to either is a change to the documented threat model."""
+    from corral.sandboxes.e2b import E2BProvider
+    from corral.sandboxes.kubernetes import KubernetesProvider
+
+    for cls in (KubernetesProvider, E2BProvider):
+        assert cls.model_jail is SandboxProvider.model_jail, cls
+    docs = (ROOT / "docs" / "sandboxes.md").read_text()
+    assert "`kubernetes`, `e2b`: the jail is empty for now." in docs
