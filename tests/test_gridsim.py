@@ -204,3 +204,34 @@ def test_the_bundle_validates() -> None:
     manifest = load_bundle(BUNDLE).manifest
     assert manifest.reward.score == "grade" and manifest.sandbox.needs == "none"
     assert [t.name for t in manifest.tools] == ["simulate_schedule", "submit_schedule"]
+
+
+def test_the_env_bounds_what_an_episode_keeps() -> None:
+    """A long schedule is refused before anything keeps it, and simulations stop at a limit:
+    the state stays small whatever the model sends (the server also caps it, in bytes)."""
+    from bundles.gridsim.env import MAX_SIMULATIONS
+
+    bundle = load_bundle(BUNDLE)
+    task = bundle.task("eval", 2)
+    env = bundle.make_env()
+    env.reset(task)
+    for name in ("simulate_schedule", "submit_schedule"):
+        outcome = env.call_tool(name, {"schedule": [0] * 1_000_000})
+        assert outcome.error and not outcome.done
+        assert "has 1000000 values; a day has 24 hours" in outcome.content
+    assert env.state()["simulations"] == [] and env.state()["submitted"] is None
+
+    short = env.call_tool("simulate_schedule", {"schedule": [0] * 5})  # short: reported, kept
+    assert not short.error and json.loads(short.content)["valid"] is False
+    for _ in range(MAX_SIMULATIONS - 1):
+        assert not env.call_tool("simulate_schedule", {"schedule": [0] * 24}).error
+    refused = env.call_tool("simulate_schedule", {"schedule": [0] * 24})
+    assert refused.error and f"limit of {MAX_SIMULATIONS} simulations" in refused.content
+    assert "submit_schedule" in refused.content
+    state = env.state()
+    assert len(state["simulations"]) == MAX_SIMULATIONS
+    assert len(json.dumps(state)) < 8 * 1024 < bundle.manifest.limits.max_state_bytes
+
+    greedy = greedy_schedule(task.data["prices"], Battery.from_data(task.data))
+    assert env.call_tool("submit_schedule", {"schedule": greedy}).done  # still submits
+    assert bundle.grade(task, env.state())["valid"] == 1.0

@@ -8,9 +8,11 @@ Tools (both take ``{"schedule": [24 integers]}``):
   wrong length, with values outside {-1, 0, 1} or infeasible for the battery is still accepted
   as the submission (the verifier grades it 0, and the reply says why).
 
-Arguments of the wrong shape (no ``schedule``, extra keys, not an array, non-integer items) and
-unknown tools are answered with ``error=True`` and the episode goes on, as is a second
-submission. ``state()`` holds the submitted schedule and every simulation.
+Arguments of the wrong shape (no ``schedule``, extra keys, not an array, non-integer items, more
+values than the day has hours) and unknown tools are answered with ``error=True`` and the
+episode goes on, as is a second submission. ``state()`` holds the submitted schedule and the
+simulations, at most :data:`MAX_SIMULATIONS` of them: a simulation past that is refused with a
+tool error, so the state an episode can grow to stays small whatever the model sends.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from .market import Battery, simulate
 
 SIMULATE = "simulate_schedule"
 SUBMIT = "submit_schedule"
+# The simulations an episode may run (and the state keeps). max_turns is 8; a few per turn is
+# plenty, and each kept one is 24 small integers, so the state stays a few KiB.
+MAX_SIMULATIONS = 32
 
 
 class GridEnv:
@@ -55,9 +60,14 @@ class GridEnv:
             return self._error(f"unknown tool {name!r}; the tools are {SIMULATE} and {SUBMIT}")
         if self._submitted is not None:
             return self._error("a schedule was already submitted; the episode is over")
-        schedule = _schedule_argument(arguments)
+        schedule = _schedule_argument(arguments, len(self._prices))
         if isinstance(schedule, str):
             return self._error(f"{name}: {schedule}")
+        if name == SIMULATE and len(self._simulations) >= MAX_SIMULATIONS:
+            return self._error(
+                f"{SIMULATE}: the limit of {MAX_SIMULATIONS} simulations per episode is "
+                f"reached; submit a schedule with {SUBMIT}"
+            )
         sim = simulate(self._prices, schedule, self._battery)
         if name == SIMULATE:
             profit = round(sim.profit, 2) if sim.valid else None
@@ -100,8 +110,10 @@ class GridEnv:
         return ToolOutcome(f"error: {message}", error=True)
 
 
-def _schedule_argument(arguments: Any) -> list[int] | str:
-    """The ``schedule`` argument as a list of ints, or why it is not one (a message)."""
+def _schedule_argument(arguments: Any, hours: int) -> list[int] | str:
+    """The ``schedule`` argument as a list of ints, or why it is not one (a message). A list
+    longer than the day's ``hours`` is refused here, before anything keeps it; a shorter one
+    is a schedule (an invalid one, which ``simulate`` reports and the verifier grades 0)."""
     if not isinstance(arguments, dict):
         return 'arguments must be a JSON object: {"schedule": [24 integers]}'
     extra = sorted(set(arguments) - {"schedule"})
@@ -112,6 +124,8 @@ def _schedule_argument(arguments: Any) -> list[int] | str:
     schedule = arguments["schedule"]
     if not isinstance(schedule, list):
         return f'"schedule" must be an array of integers, not {_json_kind(schedule)}'
+    if len(schedule) > hours:
+        return f'"schedule" has {len(schedule)} values; a day has {hours} hours, one value each'
     bad = [i for i, v in enumerate(schedule) if type(v) is not int]
     if bad:
         return f'"schedule" must hold integers only; item(s) {bad[:5]} are not'

@@ -1,7 +1,8 @@
 """Print the baselines table: ``python -m bundles.shellcraft.baselines [--split eval]``.
 
 Plays every task of the split three times, in-process, each in a fresh temporary work folder:
-idle (no command), the naive commands and the reference solver (``solver.py``), through the
+idle (submit at once), the naive commands and the reference solver (``solver.py``'s
+``naive_calls`` and ``reference``, the bundle's ``[[baselines]]`` and ``[solver]``), through the
 bundle's own loader, env and verifier. Per family, then over all tasks, it prints the mean
 reward of each policy (± the standard error of the mean) and the share of tasks each solved
 exactly, as the Markdown table the README carries. Exits 1 if the bundle does not load.
@@ -26,10 +27,15 @@ from corral.envs.bundle import Bundle, BundleError, load_bundle
 from corral.envs.episode import Task
 
 from .files import FAMILIES
-from .solver import naive, solve
+from .solver import SUBMIT, naive_calls, reference
 
-Policy = Callable[[Mapping[str, Any]], list[str]]
-POLICIES: dict[str, Policy] = {"idle": lambda data: [], "naive": naive, "solver": solve}
+# Policies of the solver shape: (task) -> [{"name", "arguments"}, ...].
+Policy = Callable[[Task], list[dict[str, Any]]]
+POLICIES: dict[str, Policy] = {
+    "idle": lambda task: [{"name": SUBMIT, "arguments": {}}],
+    "naive": naive_calls,
+    "solver": reference,
+}
 
 
 @dataclass(frozen=True)
@@ -42,15 +48,15 @@ class Row:
     results: dict[str, tuple[float, float, float]]
 
 
-def play(bundle: Bundle, task: Task, commands: Sequence[str]) -> dict[str, float]:
-    """One episode in a fresh temporary work folder: the commands, then submit; the scores
-    plus ``reward``."""
+def play(bundle: Bundle, task: Task, calls: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """One episode in a fresh temporary work folder: the tool calls in order, until one ends
+    it; the scores plus ``reward``."""
     with tempfile.TemporaryDirectory() as folder, contextlib.chdir(folder):
         env = bundle.make_env()
-        env.reset(task)
-        for command in commands:
-            env.call_tool("bash", {"command": command})
-        env.call_tool("submit", {})
+        env.reset(bundle.env_task(task))
+        for call in calls:
+            if env.call_tool(call["name"], call["arguments"]).done:
+                break
         scores = bundle.grade(task, env.state())
     return {**scores, "reward": bundle.reward(scores)}
 
@@ -67,7 +73,7 @@ def baseline_rows(bundle_dir: Path, split: str) -> list[Row]:
     bundle = load_bundle(bundle_dir)
     by_family: dict[str, list[dict[str, dict[str, float]]]] = defaultdict(list)
     for task in bundle.tasks(split):
-        played = {name: play(bundle, task, policy(task.data)) for name, policy in POLICIES.items()}
+        played = {name: play(bundle, task, policy(task)) for name, policy in POLICIES.items()}
         by_family[task.data["family"]].append(played)
     groups: list[tuple[str | None, list[dict[str, dict[str, float]]]]] = [
         (f, by_family[f]) for f in FAMILIES if by_family[f]

@@ -10,6 +10,10 @@ it scores 1 on every task of a sample of each family, and the baselines on the w
 the traps the prompt warns about (the error log, the extension filter and letter case, CRLF
 line ends and per-file column orders, gzipped days and nested ``user`` keys). It measures how
 much the traps matter and exercises the verifier's partial credit.
+
+:func:`reference` (the bundle's ``[solver]``) and :func:`naive_calls` (its ``naive``
+``[[baselines]]`` entry) are the same two as policies of the solver shape,
+``(task) -> [{"name", "arguments"}, ...]``: each command as a ``bash`` call, then ``submit``.
 """
 
 from __future__ import annotations
@@ -17,6 +21,11 @@ from __future__ import annotations
 import shlex
 from collections.abc import Mapping
 from typing import Any
+
+from corral.envs.episode import Task
+
+BASH = "bash"
+SUBMIT = "submit"
 
 # Every access log's lines, .gz ones decompressed; the glob skips logs/error.log.
 _ACCESS_LINES = (
@@ -148,3 +157,18 @@ def naive(data: Mapping[str, Any]) -> list[str]:
                 "| sed 's/^ *\\([0-9]*\\) \\(.*\\)$/\\2,\\1/'; } > totals.csv"
             ]
     raise ValueError(f"unknown family {family!r}")
+
+
+def reference(task: Task) -> list[dict[str, Any]]:
+    """The reference solution as tool calls: :func:`solve`'s commands, then ``submit``."""
+    return _calls(solve(task.data))
+
+
+def naive_calls(task: Task) -> list[dict[str, Any]]:
+    """The naive baseline as tool calls: :func:`naive`'s commands, then ``submit``."""
+    return _calls(naive(task.data))
+
+
+def _calls(commands: list[str]) -> list[dict[str, Any]]:
+    bash = [{"name": BASH, "arguments": {"command": c}} for c in commands]
+    return [*bash, {"name": SUBMIT, "arguments": {}}]
