@@ -20,6 +20,7 @@ from corral.envs.bundle import (
     validate_bundle,
 )
 from corral.envs.episode import Env, Task, ToolOutcome
+from tests.bundle_files import problem_with, write_tree
 
 MANIFEST = """\
 name = "echo"
@@ -108,26 +109,12 @@ def write_bundle(root: Path, **files: str) -> Path:
         "tasks/train.jsonl": "\n".join(task_line(f"t{i}", tools=["say"]) for i in range(3)) + "\n",
         "tasks/eval.jsonl": task_line("e0") + "\n",
     }
-    contents.update(files)
-    root.mkdir(parents=True, exist_ok=True)
-    for rel, text in contents.items():
-        if text == "":
-            continue
-        path = root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    return root
+    return write_tree(root, {**contents, **files})
 
 
 def only_problem(root: Path, *needles: str) -> str:
     """One of the bundle's problems holds every needle, and load_bundle refuses it too."""
-    problems = validate_bundle(root)
-    matches = [p for p in problems if all(n in p for n in needles)]
-    assert matches, f"no problem with {needles} in {problems}"
-    with pytest.raises(BundleError) as err:
-        load_bundle(root)
-    assert matches[0] in err.value.problems
-    return matches[0]
+    return problem_with(root, *needles)
 
 
 def test_a_sound_bundle_loads_and_plays(tmp_path: Path) -> None:

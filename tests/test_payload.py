@@ -38,6 +38,7 @@ from corral.envs.hosting import (
 )
 from corral.sandboxes.base import SandboxProvider, SandboxSpec
 from corral.sandboxes.bwrap import BwrapProvider
+from tests.bundle_files import problem_with, write_tree
 from tests.conftest import ROOT, SANDBOX_IMAGE
 
 SHELLCRAFT = ROOT / "bundles" / "shellcraft"
@@ -140,24 +141,12 @@ def write_probe(root: Path, files: dict[str, str] | None = None, **toml: str) ->
         + "\n",
         **(files or {}),
     }
-    for rel, text in contents.items():
-        if text == "":
-            continue
-        path = root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    return root
+    return write_tree(root, contents)
 
 
 def refused(root: Path, *needles: str) -> str:
     """The one problem that holds every needle; load_bundle refuses with it too."""
-    problems = validate_bundle(root)
-    matches = [p for p in problems if all(n in p for n in needles)]
-    assert len(matches) == 1, f"not exactly one problem with {needles} in {problems}"
-    with pytest.raises(BundleError) as err:
-        load_bundle(root)
-    assert matches[0] in err.value.problems
-    return matches[0]
+    return problem_with(root, *needles, only=True)
 
 
 def modes(root: Path) -> dict[str, int]:
