@@ -795,3 +795,42 @@ async def test_the_env_server_runs_gridsim_episodes_in_pods(provider: Kubernetes
             out = await env.call_tool("submit_schedule", {"schedule": [0] * 24})
     assert out.done and out.reward == pytest.approx(0.2)
     assert await provider.list_owned() == []
+
+
+async def test_only_the_env_side_is_uploaded_and_shellcraft_still_solves(
+    provider: KubernetesProvider, standin: StandIn
+) -> None:
+    """Pods have no host binds, so the payload is uploaded file by file (one exec each): what
+    the stand-in was asked to write is exactly the env side (shellcraft's ``[env] modules``)
+    and corral's runner modules; no verifier, answer, solver, generator or task file enters
+    the Pod, and the reference commands still grade 1 (the task's seed stays in the server)."""
+    from bundles.shellcraft.solver import solve
+    from corral.envs.bundle import load_bundle
+    from corral.envs.client import EnvClient
+    from corral.envs.hosting import RUNNER_MODULES, UPLOAD_ROOT
+    from corral.envs.server import build_app
+    from tests.servers import serve
+
+    shellcraft = load_bundle(ROOT / "bundles" / "shellcraft")
+    task = shellcraft.task("eval", 0)
+    before = len(standin.execs)
+    with serve(build_app(shellcraft, sandbox=provider)) as url:
+        async with EnvClient(url) as env:
+            await env.reset(split="eval", index=0)
+            for command in solve(task.data):
+                ran = await env.call_tool("bash", {"command": command})
+                assert not ran.observation.is_error, ran.observation.text
+            out = await env.call_tool("submit", {})
+    assert out.done and out.reward == pytest.approx(1.0)
+    # Each upload is an exec whose last argument is the file's path (the backend wraps it).
+    written = {
+        argv[-1].removeprefix(f"{UPLOAD_ROOT}/")
+        for argv, _ in standin.execs[before:]
+        if argv[-1].startswith(f"{UPLOAD_ROOT}/") and 'cat > "$1"' in argv[-3]
+    }
+    env_side = {f"bundle/{rel}" for rel in shellcraft.payload_files()}
+    runner = {f"corral/envs/{name}" for name in RUNNER_MODULES}
+    assert written - {"corral/__init__.py", "corral/envs/__init__.py"} == env_side | runner
+    names = {path.rsplit("/", 1)[-1] for path in written}
+    assert not names & {"verifier.py", "answers.py", "solver.py", "generate.py", "files.py"}
+    assert not any(path.endswith(".jsonl") for path in written)
