@@ -18,6 +18,7 @@ from corral.cli.checks import bundle_folder, gateway_error, model_folder, probe_
 from corral.cli.errors import RunError, UsageError, first_of
 from corral.envs.playcheck import DEFAULT_MARGIN, DEFAULT_SEED, DEFAULT_TASKS
 from corral.envs.server import DEFAULT_FIRST_RESET_TIMEOUT as FIRST_RESET_TIMEOUT_S
+from corral.envs.server import DEFAULT_MAX_BODY_BYTES
 from corral.gateway.parsers.reasoning import reasoning_parser_names
 from corral.gateway.parsers.tool_calls import tool_call_parser_names
 from corral.gateway.settings import DEFAULT_CLIENT_TEMPLATE_KWARGS, GatewaySettings
@@ -157,6 +158,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             sandbox_image=args.sandbox_image,
             warm_sandboxes=args.warm_sandboxes,
             first_reset_timeout=args.first_reset_timeout,
+            max_body_bytes=args.max_body_bytes,
         )
     except SandboxError as exc:
         # The machine lacks what the backend needs (one line per missing piece): a runtime
@@ -598,6 +600,13 @@ def _add_serve(sub: Any) -> None:
         default=FIRST_RESET_TIMEOUT_S,
         metavar="S",
         help="seconds a new WebSocket has to send its first reset",
+    )
+    serve.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        metavar="BYTES",
+        help="largest HTTP request body (reset, step, /mcp; beyond: 413)",
     )
     add_transport_flags(serve)
     serve.set_defaults(func=cmd_serve)

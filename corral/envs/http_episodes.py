@@ -11,7 +11,14 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from corral.envs.episodes import Episode, EpisodeManager, ServerError
-from corral.envs.protocol import ErrorCode, Reason, ResetData, ResetObservation, StepResult
+from corral.envs.protocol import (
+    ErrorCode,
+    Reason,
+    ResetData,
+    ResetObservation,
+    StepResult,
+    quoted,
+)
 
 # Ended episodes remembered (for their state and a clear "over"), oldest forgotten first.
 REMEMBERED_ENDED = 1024
@@ -49,7 +56,7 @@ class HttpEpisodes:
         if episode is None:
             raise ServerError(
                 ErrorCode.EXECUTION_ERROR,
-                f"no episode {episode_id!r} on this server; POST /reset starts one",
+                f"no episode {quoted(episode_id)} on this server; POST /reset starts one",
                 Reason.NO_EPISODE,
             )
         return episode
@@ -72,6 +79,7 @@ _STATUS = {
     Reason.NO_EPISODE: 404,
     Reason.TASK_NOT_FOUND: 404,
     Reason.EPISODE_DONE: 409,
+    Reason.BODY_TOO_LARGE: 413,
 }
 _STATUS_BY_CODE = {
     ErrorCode.VALIDATION_ERROR: 422,
@@ -86,7 +94,8 @@ _STATUS_BY_CODE = {
 
 def http_status(error: ServerError) -> int:
     """The HTTP status for ``error``: 404 unknown episode or task, 409 the episode is over,
-    410 closed by the server, 422 bad request, 503 full, 502 the env did not start."""
+    410 closed by the server, 413 a body over the cap, 422 bad request, 503 full, 502 the env
+    did not start."""
     if error.reason in _STATUS:
         return _STATUS[error.reason]
     return _STATUS_BY_CODE[error.code]

@@ -33,6 +33,7 @@ from corral.envs.protocol import (
     ToolErrorType,
     depth,
     json_safe_errors,
+    quoted,
 )
 
 
@@ -112,7 +113,9 @@ class HttpScope:
         try:
             return self.episodes.get(session_id)
         except ServerError:
-            raise RpcError(RpcCode.INVALID_PARAMS, f"Unknown session_id: {session_id}") from None
+            raise RpcError(
+                RpcCode.INVALID_PARAMS, f"Unknown session_id: {quoted(session_id)}"
+            ) from None
 
     async def close(self, session_id: str | None) -> None:
         if not session_id:
@@ -120,7 +123,9 @@ class HttpScope:
         try:
             await self.episodes.close(session_id)
         except ServerError:
-            raise RpcError(RpcCode.INVALID_PARAMS, f"Unknown session_id: {session_id}") from None
+            raise RpcError(
+                RpcCode.INVALID_PARAMS, f"Unknown session_id: {quoted(session_id)}"
+            ) from None
 
 
 class McpHandler:
@@ -135,7 +140,9 @@ class McpHandler:
         MAX_FRAME_DEPTH)."""
         try:
             raw = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except ValueError as exc:
+            # ValueError, not only JSONDecodeError: bad UTF-8, and an integer past Python's
+            # digit limit (4300), raise other ValueErrors.
             raise RpcError(RpcCode.PARSE_ERROR, f"Parse error: {exc}") from None
         except RecursionError:
             raise RpcError(RpcCode.PARSE_ERROR, "Parse error: nested too deeply") from None
@@ -143,15 +150,17 @@ class McpHandler:
             raise RpcError(RpcCode.PARSE_ERROR, f"Parse error: nested over {MAX_FRAME_DEPTH} deep")
         return raw
 
-    async def handle_text(self, text: str | bytes, scope: McpScope) -> dict[str, Any]:
+    async def handle_text(self, text: str | bytes, scope: McpScope) -> dict[str, Any] | None:
         try:
             raw = self.parse(text)
         except RpcError as exc:
             return rpc_error(exc.code, str(exc))
         return await self.handle(raw, scope)
 
-    async def handle(self, raw: Any, scope: McpScope) -> dict[str, Any]:
-        """The JSON-RPC response to the parsed request ``raw``."""
+    async def handle(self, raw: Any, scope: McpScope) -> dict[str, Any] | None:
+        """The JSON-RPC response to the parsed request ``raw``; None for a notification (a
+        valid request with no ``id`` member, which JSON-RPC 2.0 never answers, not even with
+        an error; one that is not a valid request is answered, with id null)."""
         rid = raw.get("id") if isinstance(raw, dict) else None
         rid = rid if isinstance(rid, str | int) and not isinstance(rid, bool) else None
         try:
@@ -163,14 +172,17 @@ class McpHandler:
                 json_safe_errors(exc.errors()) if isinstance(exc, ValidationError) else str(exc)
             )
             return rpc_error(RpcCode.INVALID_REQUEST, "Invalid Request", rid, detail)
+        notification = "id" not in raw
         try:
             result = await self._method(request, scope)
         except RpcError as exc:
-            return rpc_error(exc.code, str(exc), request.id, exc.data)
+            response = rpc_error(exc.code, str(exc), request.id, exc.data)
         except ServerError as exc:
             err = _from_server_error(exc)
-            return rpc_error(err.code, str(err), request.id, err.data)
-        return {"jsonrpc": "2.0", "id": request.id, "result": result}
+            response = rpc_error(err.code, str(err), request.id, err.data)
+        else:
+            response = {"jsonrpc": "2.0", "id": request.id, "result": result}
+        return None if notification else response
 
     async def _method(self, request: RpcRequest, scope: McpScope) -> Any:
         params = request.params

@@ -32,13 +32,16 @@ from pydantic import (
     Discriminator,
     Field,
     SerializerFunctionWrapHandler,
+    StrictInt,
+    StrictStr,
     Tag,
     TypeAdapter,
     model_serializer,
     model_validator,
 )
 
-RequestId = str | int
+# Strict: a ``true`` or ``1.0`` id is refused, never echoed back as ``1``.
+RequestId = StrictStr | StrictInt
 
 # Frames nested deeper than this are refused before validation (json.loads itself gives up
 # near Python's recursion limit; pydantic and json.dumps would recurse as deep).
@@ -68,6 +71,8 @@ class Reason(StrEnum):
     TOO_DEEP = "too_deep"  # VALIDATION_ERROR: a frame nested past MAX_FRAME_DEPTH
     OLD_SHAPE = "old_shape"  # VALIDATION_ERROR: corral's pre-OpenEnv step shape
     STATE_TOO_LARGE = "state_too_large"  # EXECUTION_ERROR: state over max_state_bytes
+    BODY_TOO_LARGE = "body_too_large"  # VALIDATION_ERROR: an HTTP body over the server's cap
+    CLOSED = "closed"  # SESSION_ERROR: the episode was closed (by a client) before its end
 
 
 class ToolErrorType(StrEnum):
@@ -368,7 +373,8 @@ class ObservationData(BaseModel):
 
 class EpisodeState(BaseModel):
     """A ``state`` reply: OpenEnv's ``episode_id`` and ``step_count``, corral's counters and
-    status, and the env's own state under ``env``."""
+    status, and the env's own state under ``env``: live while the episode runs, the state read
+    at grading once graded, ``None`` after the env failed (``error`` then says why)."""
 
     episode_id: str
     step_count: int
@@ -376,7 +382,8 @@ class EpisodeState(BaseModel):
     task_id: str
     turn: int
     status: Status
-    env: dict[str, Any]
+    env: dict[str, Any] | None
+    error: str | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -461,6 +468,14 @@ def error_message(
 ) -> ErrorMessage:
     """An ``error`` reply with ``code``, ``message`` and any of ErrorData's extra fields."""
     return ErrorMessage(data=ErrorData(message=message, code=code, **extra), request_id=request_id)
+
+
+def quoted(text: str, limit: int = 80) -> str:
+    """``text`` as a message quotes it: ``repr``, cut to ``limit`` characters, so a client's
+    huge id is never echoed whole."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
 
 
 def json_safe_errors(errors: list[Any]) -> list[dict[str, Any]]:

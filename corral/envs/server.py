@@ -41,16 +41,17 @@ import asyncio
 import contextlib
 import hmac
 import json
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, HTTPException, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import Response
 from fastapi.websockets import WebSocketState
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from corral.envs.bundle import Bundle, TaskNotFound, load_bundle
 from corral.envs.episodes import (
@@ -70,7 +71,7 @@ from corral.envs.hosting import (
     SandboxHost,
 )
 from corral.envs.http_episodes import HttpEpisodes, http_status
-from corral.envs.mcp import HttpScope, McpHandler
+from corral.envs.mcp import HttpScope, McpHandler, RpcCode, rpc_error
 from corral.envs.protocol import (
     MAX_FRAME_DEPTH,
     STEP_ACTION,
@@ -90,12 +91,18 @@ from corral.envs.running import run_server
 from corral.envs.session import Session
 from corral.sandboxes.base import NetworkPolicy, SandboxProvider, SandboxSpec
 from corral.sandboxes.providers import make_provider
+from corral.transport import TransportLimits
 
 # WebSocket close code for a refused token or a socket that plays nothing (RFC 6455: policy
 # violation).
 POLICY_VIOLATION = 1008
 # How long an authenticated /ws socket may wait before its first reset.
 DEFAULT_FIRST_RESET_TIMEOUT = 120.0
+# The largest HTTP request body read (``POST /reset``, ``/step``, ``/mcp``): the same bound as
+# a WebSocket message, since the same messages travel either way.
+DEFAULT_MAX_BODY_BYTES = TransportLimits.ws_max_size
+
+_T = TypeVar("_T")
 
 
 def _bearer_ok(header: str | None, token: str) -> bool:
@@ -148,6 +155,7 @@ def build_app(
     sandbox: str | SandboxProvider | None = None,
     sandbox_image: str | None = None,
     warm_sandboxes: int = 0,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """A FastAPI app serving ``bundle`` (a loaded Bundle or its folder).
 
@@ -157,12 +165,20 @@ def build_app(
     HTTP episodes (``POST /reset``, ``POST /step``, ``GET /state?episode_id=``), and MCP
     JSON-RPC on ``POST /mcp`` and the WebSocket ``/mcp`` (:mod:`corral.envs.mcp`). With a
     ``token``, every route but ``/health`` requires ``Authorization: Bearer <token>``: HTTP
-    answers 401, a socket is closed with 1008 before any env is created. The manager is at
-    ``app.state.episodes``; the app's version (OpenAPI ``info.version``) is the bundle's.
+    answers 401, a socket is closed with 1008 before any env is created. With a token,
+    ``GET /openapi.json`` needs it too and the browser pages ``/docs`` and ``/redoc`` are not
+    served (a browser cannot send the header); with none, all three are FastAPI's. The manager
+    is at ``app.state.episodes``; the app's version (OpenAPI ``info.version``) is the bundle's.
 
-    A ``/ws`` socket with no episode is closed (1008, with a reason) when it sends no reset
-    within ``first_reset_timeout`` s of opening, or after ``idle_timeout`` s with no episode (a
-    ``/mcp`` socket after ``idle_timeout`` s with none).
+    A request body over ``max_body_bytes`` is refused with 413 before it is read whole; an
+    HTTP reset whose client hangs up before its episode exists is cancelled (its slot freed),
+    and one whose client is gone once it exists is closed at once.
+
+    A ``/ws`` socket is closed (1008, with a reason) when no reset starts an episode within
+    ``first_reset_timeout`` s of opening (whatever else it sends), or once it has been
+    ``idle_timeout`` s without an episode since its last one ended (graded, closed, reaped:
+    the reaper closes an episode idle for ``idle_timeout``); a ``/mcp`` socket likewise, from
+    its opening or its last episode.
 
     ``sandbox``: where each episode's env runs (:mod:`corral.envs.hosting`): ``None`` runs a
     bundle that needs no sandbox in this process and refuses one that does (``ValueError``);
@@ -171,6 +187,8 @@ def build_app(
     as the image or template, and ``warm_sandboxes`` started ahead. The server sweeps the
     backend's leftovers of dead servers when it starts.
     """
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be at least 1, not {max_body_bytes}")
     loaded = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
     host = env_host(loaded, sandbox, image=sandbox_image, warm=warm_sandboxes)
     metrics = Metrics()
@@ -206,13 +224,24 @@ def build_app(
                 401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
             )
 
+    # With a token the schema is served below, behind it; the HTML pages are not served.
+    documented = token is None
     app = FastAPI(
         title=f"corral env server: {loaded.name}",
         version=loaded.manifest.version,
         lifespan=lifespan,
+        openapi_url="/openapi.json" if documented else None,
+        docs_url="/docs" if documented else None,
+        redoc_url="/redoc" if documented else None,
     )
     app.state.episodes = manager
     authed = [Depends(require_token)]
+
+    if not documented:
+
+        @app.get("/openapi.json", dependencies=authed, include_in_schema=False)
+        async def openapi_behind_token() -> dict[str, Any]:
+            return app.openapi()
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -282,20 +311,26 @@ def build_app(
     @app.post("/reset", dependencies=authed)
     async def http_reset(request: Request) -> Response:
         try:
-            body = await _json_body(request, allow_empty=True)
+            body = await _json_body(request, max_body_bytes, allow_empty=True)
             try:
                 data = ResetData.model_validate(body if body is not None else {})
             except ValidationError as exc:
                 raise _validation(exc) from None
-            _, result = await http_episodes.open(data)
+            opened = await _unless_client_leaves(request, http_episodes.open(data))
         except ServerError as exc:
             return _http_error(exc)
+        if opened is None:  # the client hung up while its env started: nobody has the id
+            return Response(status_code=499)
+        episode, result = opened
+        if await request.is_disconnected():
+            await http_episodes.close(episode.id)
+            return Response(status_code=499)
         return _json(result)
 
     @app.post("/step", dependencies=authed)
     async def http_step(request: Request) -> Response:
         try:
-            body = await _json_body(request)
+            body = await _json_body(request, max_body_bytes)
             try:
                 step = HttpStep.model_validate(body)
             except ValidationError as exc:
@@ -315,9 +350,17 @@ def build_app(
         except ServerError as exc:
             return _http_error(exc)
 
-    @app.post("/mcp", dependencies=authed)
-    async def mcp_post(request: Request) -> dict[str, Any]:
-        return await rpc.handle_text(await request.body(), HttpScope(http_episodes))
+    @app.post("/mcp", dependencies=authed, response_model=None)
+    async def mcp_post(request: Request) -> Response | dict[str, Any]:
+        try:
+            text = await _read_body(request, max_body_bytes)
+        except ServerError as exc:
+            body = rpc_error(RpcCode.INVALID_REQUEST, str(exc))
+            return Response(json.dumps(body), status_code=413, media_type="application/json")
+        reply = await rpc.handle_text(text, HttpScope(http_episodes))
+        if reply is None:  # a notification: accepted, and JSON-RPC answers nothing
+            return Response(status_code=202)
+        return reply
 
     @app.websocket("/ws")
     async def ws(websocket: WebSocket) -> None:
@@ -330,9 +373,10 @@ def build_app(
         await _serve_socket(websocket, session, mcp=True)
 
     async def _serve_socket(websocket: WebSocket, session: Session, *, mcp: bool) -> None:
-        """One socket's life: ``/ws`` frames, or JSON-RPC ones on ``/mcp``. With no episode it
-        waits ``first_reset_timeout`` for the first frame that starts one (``/ws`` only: the
-        ``/mcp`` socket starts its episode on its first call), then ``idle_timeout``."""
+        """One socket's life: ``/ws`` frames, or JSON-RPC ones on ``/mcp``. Deadlines (see
+        :func:`build_app`) are fixed points in time, not waits per frame, so frames that start
+        no episode do not keep the socket; a live episode's own idle deadline wakes the loop
+        too, so a reap during the wait is seen."""
         if token is not None and not _bearer_ok(websocket.headers.get("authorization"), token):
             # Accept, then close with a reason: a close before accept reaches the client as a
             # bare HTTP 403 with no explanation.
@@ -351,24 +395,57 @@ def build_app(
 
         key = id(websocket)
         manager.add_socket(key, hang_up_socket)
+        # time.monotonic: the clock of the episodes' last_active.
+        first_reset_by = time.monotonic() + first_reset_timeout
+        episodeless_since = time.monotonic()
+        ended: Episode | None = None  # the last episode whose end this loop has seen
         ever_reset = False
+        ended_by_reaper = False
+        # One receive at a time, kept across deadline wake-ups: a receive is never cancelled
+        # halfway through a message.
+        receiving: asyncio.Future[Any] | None = None
         try:
             while True:
-                live = session.episode is not None and manager.is_open(session.episode)
-                ever_reset = ever_reset or session.episode is not None
-                bound = None
-                if not live:
-                    bound = idle_timeout if ever_reset or mcp else first_reset_timeout
-                try:
-                    frame = await asyncio.wait_for(websocket.receive(), bound)
-                except TimeoutError:
-                    why = (
-                        f"no episode for {idle_timeout:g} s (idle_timeout)"
-                        if ever_reset or mcp
-                        else f"no reset within {first_reset_timeout:g} s of connecting"
-                    )
+                episode = session.episode
+                live = episode is not None and manager.is_open(episode)
+                if episode is not None and not live and episode is not ended:
+                    # (Even one that began and ended within a single frame.)
+                    ended = episode
+                    episodeless_since = time.monotonic()
+                    ended_by_reaper = episode.closed_as == "reaped"
+                ever_reset = ever_reset or episode is not None
+                if live:
+                    assert episode is not None
+                    # Past this the reaper may close the episode: look again then.
+                    deadline = episode.last_active + idle_timeout + _REAP_SLACK_S
+                    if deadline <= time.monotonic():
+                        # Looked already and it was not reapable (a step in flight): the
+                        # reaper has it; look again only after another idle_timeout.
+                        deadline = time.monotonic() + idle_timeout
+                elif ever_reset or mcp:
+                    deadline = episodeless_since + idle_timeout
+                else:
+                    deadline = first_reset_by
+                if receiving is None:
+                    receiving = asyncio.ensure_future(websocket.receive())
+                done, _ = await asyncio.wait({receiving}, timeout=deadline - time.monotonic())
+                if not done:
+                    if live:
+                        await manager.reap_idle()  # the reaper's own test, without its lag
+                        continue
+                    if not (ever_reset or mcp):
+                        why = f"no reset within {first_reset_timeout:g} s of connecting"
+                    elif ended_by_reaper:
+                        why = (
+                            f"its episode was closed after {idle_timeout:g} s idle and no "
+                            f"episode followed within {idle_timeout:g} s (idle_timeout)"
+                        )
+                    else:
+                        why = f"no episode for {idle_timeout:g} s (idle_timeout)"
                     await hang_up_socket(POLICY_VIOLATION, why)
                     break
+                frame = receiving.result()
+                receiving = None
                 if frame["type"] == "websocket.disconnect":
                     break
                 text = frame.get("text")
@@ -389,10 +466,17 @@ def build_app(
         except WebSocketDisconnect:
             pass
         finally:
+            if receiving is not None:
+                receiving.cancel()
             manager.remove_socket(key)
             await session.close()
 
     return app
+
+
+# The reaper closes an episode idle *more than* idle_timeout: a socket's look at its
+# episode waits this much longer, so the look finds it reapable.
+_REAP_SLACK_S = 0.01
 
 
 class HttpStep(BaseModel):
@@ -402,19 +486,47 @@ class HttpStep(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     action: StepAction
-    episode_id: str | None = None
+    episode_id: str | None = Field(default=None, max_length=255)
     timeout_s: float | None = None
     request_id: str | None = None
 
 
-async def _json_body(request: Request, *, allow_empty: bool = False) -> Any:
-    """The request's JSON body; ServerError INVALID_JSON / VALIDATION_ERROR otherwise."""
-    text = await request.body()
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request's body, read chunk by chunk; ServerError ``body_too_large`` (413) as soon as
+    it is known to pass ``limit`` bytes, so an over-cap body is never held whole."""
+    refusal = ServerError(
+        ErrorCode.VALIDATION_ERROR,
+        f"the request body is over {limit} bytes (the server's max_body_bytes)",
+        Reason.BODY_TOO_LARGE,
+        errors=[],
+    )
+    declared = request.headers.get("content-length", "")
+    # isascii: "²" is a digit to isdigit but not to int; past 18 digits int() may refuse it too.
+    if declared.isascii() and declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
+        raise refusal
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise refusal
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _json_body(request: Request, limit: int, *, allow_empty: bool = False) -> Any:
+    """The request's JSON body (at most ``limit`` bytes); ServerError INVALID_JSON /
+    VALIDATION_ERROR otherwise."""
+    text = await _read_body(request, limit)
     if allow_empty and not text.strip():
         return None
     try:
         body = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+    except RecursionError:
+        raise ServerError(ErrorCode.INVALID_JSON, "the body is not JSON: too deep") from None
+    except ValueError as exc:
+        # ValueError, not only JSONDecodeError: bad UTF-8, and an integer past Python's digit
+        # limit (4300), raise other ValueErrors.
         raise ServerError(ErrorCode.INVALID_JSON, f"the body is not JSON: {exc}") from None
     if depth(body) > MAX_FRAME_DEPTH:
         raise ServerError(
@@ -424,6 +536,33 @@ async def _json_body(request: Request, *, allow_empty: bool = False) -> Any:
             errors=[],
         )
     return body
+
+
+async def _unless_client_leaves(request: Request, work: Awaitable[_T]) -> _T | None:
+    """``work``'s result, or None when the client hangs up first: then ``work`` is cancelled
+    (an episode being created gives its slot back). The body must have been read."""
+
+    async def hung_up() -> None:
+        """Returns once the client has hung up; never, if that cannot be told."""
+        try:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+        except Exception:
+            await asyncio.get_running_loop().create_future()  # let the work finish
+
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(hung_up())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():  # the client left (or this request was cancelled)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        return None
+    return task.result()
 
 
 def _validation(exc: ValidationError) -> ServerError:

@@ -39,6 +39,7 @@ from corral.envs.protocol import (
     encode_observation,
     error_message,
     json_safe_errors,
+    quoted,
 )
 
 # corral's step shapes before they were OpenEnv's: refused with a pointer to the new one.
@@ -59,9 +60,28 @@ class Session:
     # -- the socket's JSON-RPC session ------------------------------------------------------
 
     async def create(self, data: ResetData) -> str:
-        """The socket's episode's id, after starting one (as ``data`` says) if it has none."""
-        if self.episode is not None and self.manager.is_open(self.episode):
-            return self.episode.id
+        """The socket's episode's id, after starting one (as ``data`` says) if it has none.
+        With a live episode, ``data`` must agree with it (its task, its id): RpcError
+        -32602 otherwise, rather than silently ignoring what the client asked for."""
+        live = self.episode
+        if live is not None and self.manager.is_open(live):
+            if data.episode_id is not None and data.episode_id != live.id:
+                raise RpcError(
+                    RpcCode.INVALID_PARAMS,
+                    f"this socket already plays episode {quoted(live.id)}, not "
+                    f"{quoted(data.episode_id)}: a socket has one session",
+                )
+            if data.task_id is not None or data.split is not None or data.seed is not None:
+                # Naming no task at all picks the next in turn: only a named task (or seed)
+                # can disagree with the live one.
+                task = self.manager.find_task(data)  # ServerError for a task that is not
+                if task.id != live.task.id:
+                    raise RpcError(
+                        RpcCode.INVALID_PARAMS,
+                        f"this socket already plays task {quoted(live.task.id)}, not "
+                        f"{quoted(task.id)}: a socket plays one episode at a time",
+                    )
+            return live.id
         await self._reset(data)
         assert self.episode is not None
         return self.episode.id
@@ -70,7 +90,7 @@ class Session:
         """The socket's episode (None: none yet); ``session_id``, when given, must be its id."""
         episode = self.episode
         if session_id is not None and (episode is None or episode.id != session_id):
-            raise RpcError(RpcCode.INVALID_PARAMS, f"Unknown session_id: {session_id}")
+            raise RpcError(RpcCode.INVALID_PARAMS, f"Unknown session_id: {quoted(session_id)}")
         return episode
 
     async def close_session(self, session_id: str | None) -> None:
@@ -82,10 +102,11 @@ class Session:
 
     # -- frames -----------------------------------------------------------------------------
 
-    async def handle_mcp(self, text: str) -> str:
-        """The JSON-RPC response frame to one frame of the ``/mcp`` socket."""
+    async def handle_mcp(self, text: str) -> str | None:
+        """The JSON-RPC response frame to one frame of the ``/mcp`` socket (None for a
+        notification: no frame)."""
         response = await self.rpc.handle_text(text, SocketScope(self, start_on_call=True))
-        return json.dumps(response)
+        return None if response is None else json.dumps(response)
 
     async def handle(self, text: str) -> tuple[str | None, bool]:
         """The reply frame to one client frame (None for none), and whether to hang up."""
@@ -94,6 +115,9 @@ class Session:
             raw = json.loads(text)
         except json.JSONDecodeError as exc:
             return encode(error_message(ErrorCode.INVALID_JSON, f"not JSON: {exc.msg}")), False
+        except ValueError as exc:  # valid JSON past what Python parses: a 4301-digit integer
+            reply = error_message(ErrorCode.INVALID_JSON, f"not JSON this server reads: {exc}")
+            return encode(reply), False
         except RecursionError:
             reply = error_message(
                 ErrorCode.INVALID_JSON, "not JSON this server reads: nested too deeply"
@@ -149,6 +173,8 @@ class Session:
             return None, True
         if isinstance(msg, McpMessage):
             response = await self.rpc.handle(msg.data, SocketScope(self))
+            if response is None:  # a notification: JSON-RPC answers nothing
+                return None, False
             return encode(McpReply(data=response, request_id=rid)), False
         if isinstance(msg, ResetMessage):
             result = await self._reset(msg.data)
