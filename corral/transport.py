@@ -232,6 +232,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._waiting_head = False
         self._body_done = False
         self._head_bytes = 0
+        self._head_tail = b""  # the head's last bytes so far: its end may span two reads
+        self._head_begun = False  # a byte other than CR/LF seen: blank lines before it skipped
         self._dropped = False
 
     # -- state transitions -------------------------------------------------------------------
@@ -240,7 +242,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._waiting_head = True
         self._body_done = False
         self._head_bytes = 0
+        self._head_tail = b""
+        self._head_begun = False
         self._head_timer = self._cancel(self._head_timer)
+
         self._head_timer = self.loop.call_later(self._limits.head_timeout_s, self._head_expired)
         self.guard.wait_for_head(self)
 
@@ -298,16 +303,33 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             # head deadline applies, not the keep-alive timeout (uvicorn cancels that on any
             # byte, so without this a byte every 70 s would hold the socket for ever).
             self._start_request()
-        super().data_received(data)
-        if self._waiting_head and not self._dropped:
-            # Everything fed while the head is still incomplete is head; bytes after the head
-            # in the same read are body and are not counted.
-            self._head_bytes += len(data)
+        if self._waiting_head:
+            # Counted before parsing, up to the blank line that ends the head, so the read that
+            # completes a head counts too and an oversized head is never parsed; bytes after
+            # it in the same read are body.
+            self._head_bytes += self._head_part(data)
             if self._head_bytes > self._limits.max_head_bytes:
                 self.drop(
                     f"request head over {self._limits.max_head_bytes} bytes",
                     _raw_response(431, "Request Header Fields Too Large", "request head too large"),
                 )
+                return
+        super().data_received(data)
+
+    def _head_part(self, data: bytes) -> int:
+        """How many of ``data``'s bytes belong to the head still being read: up to the first
+        blank line (CRLF CRLF, or the bare LF LF that lenient parsers take), else all."""
+        carried = len(self._head_tail)
+        seen = self._head_tail + data
+        start = 0
+        if not self._head_begun:
+            # Blank lines before a request line are skipped by the parser, not a head's end.
+            start = len(seen) - len(seen.lstrip(b"\r\n"))
+            self._head_begun = start < len(seen)
+        marks = (b"\r\n\r\n", b"\n\n")
+        ends = [at + len(mark) for mark in marks if (at := seen.find(mark, start)) >= 0]
+        self._head_tail = seen[-3:]
+        return max(0, min(ends) - carried) if ends else len(data)
 
     def on_headers_complete(self) -> None:
         self._waiting_head = False

@@ -185,6 +185,30 @@ def test_oversized_head_gets_431() -> None:
         assert _read_until_closed(sock).startswith(b"HTTP/1.1 431 ")
 
 
+def test_a_head_completed_in_one_read_is_bounded_too() -> None:
+    """A whole head over max_head_bytes in one send (the read that completes it) gets 431;
+    one just under it, sent the same way with a body larger than the cap, is served, and so
+    is a request after blank lines."""
+    pad = b"y" * 6000
+    with _server(max_head_bytes=4096) as (_, port):
+        with _connect(port) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + pad + b"\r\n\r\n")
+            assert _read_until_closed(sock).startswith(b"HTTP/1.1 431 ")
+        body = b"z" * 8192
+        head = b"POST /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+        head += b"Content-Length: %d\r\nX-Pad: %s\r\n\r\n" % (len(body), b"y" * 3900)
+        assert len(head) < 4096
+        with _connect(port) as sock:
+            sock.sendall(b"\r\n" + head + body)
+            answer = _read_until_closed(sock)
+            assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(body)
+        with _connect(port) as sock:  # blank lines first do not end the head early
+            sock.sendall(
+                b"\r\n\r\n" + b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + pad + b"\r\n\r\n"
+            )
+            assert _read_until_closed(sock).startswith(b"HTTP/1.1 431 ")
+
+
 def test_idle_sockets_over_pending_cap_do_not_stop_health() -> None:
     """60 idle sockets against max_pending=20 (and a head deadline far away): the oldest are
     dropped at once, and /health answers within a second, over and over."""

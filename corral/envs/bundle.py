@@ -157,7 +157,8 @@ class BaselineSpec(EntryPoint):
 
 class LimitsSpec(_Model):
     """``[limits]``: bounds the server enforces per episode. ``max_call_bytes``: one tool
-    call's arguments, as JSON; ``max_state_bytes``: the env's state, as JSON."""
+    call's arguments; ``max_state_bytes``: the env's state; both as compact JSON, counted in
+    UTF-8 bytes (non-ASCII characters unescaped)."""
 
     max_call_bytes: int = Field(default=64 * 1024, ge=256)
     max_state_bytes: int = Field(default=4 * 2**20, ge=1024)

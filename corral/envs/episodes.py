@@ -58,6 +58,9 @@ SHUTDOWN_REASON = "the env server is shutting down; the episode is over"
 
 # Episodes a server keeps alive at once unless told otherwise.
 DEFAULT_MAX_CONCURRENT_ENVS = 64
+# Beyond its calls' deadlines, what a step may spend releasing a failed env (a container's
+# removal): how much longer a client's close waits for it.
+RELEASE_ALLOWANCE_S = 10.0
 
 
 class ServerError(Exception):
@@ -102,11 +105,15 @@ def task_tools(bundle: Bundle, task: Task) -> list[dict[str, Any]]:
 
 
 def json_size(value: Any) -> int | None:
-    """``value``'s size as compact JSON in bytes, or None when it is not JSON data."""
+    """``value``'s size in bytes as compact JSON text in UTF-8 (non-ASCII characters as
+    themselves, not ``\\u`` escapes: what ``max_call_bytes`` and ``max_state_bytes`` count), or
+    None when it is not JSON data."""
     try:
-        return len(json.dumps(value, separators=(",", ":")).encode())
+        text = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
     except (TypeError, ValueError, RecursionError):
         return None
+    # A lone surrogate has no UTF-8 form; counted as the 3 bytes it would take, not refused.
+    return len(text.encode("utf-8", "surrogatepass"))
 
 
 class Metrics:
@@ -159,8 +166,11 @@ class Episode:
         self.status = "running"
         self.last_active = time.monotonic()
         self.busy = False  # a step in flight: the reaper leaves the episode alone
-        self.closed_as: str | None = None  # set by the manager: "reaped", "shutdown", ...
+        # Set by the manager when it forgets the episode: "reaped", "shutdown", "closed", or
+        # "ended-<status>" for one that ended itself.
+        self.closed_as: str | None = None
         self.final_state: dict[str, Any] | None = None  # read at the end, before the env goes
+        self.error: str | None = None  # why the env failed, when it ended the episode
         self.lock = asyncio.Lock()
         self._release: asyncio.Future[None] | None = None
 
@@ -271,10 +281,13 @@ class Episode:
             return await self.finish(END_TURN_TOOL, outcome.content, limit_s=tool_timeout)
         return self._answer(END_TURN_TOOL, outcome.content)
 
-    async def read_state(self, limit_s: float) -> dict[str, Any]:
+    async def read_state(self, limit_s: float) -> dict[str, Any] | None:
         """The env's state, within ``limit_s`` and ``max_state_bytes``. A failure, an overrun
-        or an oversized state ends the episode and raises ServerError."""
-        if self.final_state is not None:
+        or an oversized state ends the episode and raises ServerError. Once the episode is
+        over: the state read at grading, or None when none was (the env failed; ``error``
+        says how). An ended env is never asked again: it is released and, after an overrun,
+        its abandoned call may still be changing it."""
+        if self.final_state is not None or self.done:
             return self.final_state
         try:
             return await self._state(limit_s)
@@ -286,14 +299,14 @@ class Episode:
         state = await self._run(self.env.state(), limit_s=limit_s)
         size = json_size(state)
         if size is None or size > self.limits.max_state_bytes:
-            self.done, self.status = True, "error"
-            await self.env.close()
             what = f"{size} bytes as JSON" if size is not None else "not JSON data"
-            raise _EnvBroke(
-                ToolErrorType.EXECUTION_ERROR,
+            self.done, self.status = True, "error"
+            self.error = (
                 f"the env's state is {what}, over this env's limit of "
-                f"{self.limits.max_state_bytes} bytes (max_state_bytes)",
+                f"{self.limits.max_state_bytes} bytes (max_state_bytes)"
             )
+            await self.env.close()
+            raise _EnvBroke(ToolErrorType.EXECUTION_ERROR, self.error)
         return dict(state)
 
     async def finish(
@@ -342,7 +355,7 @@ class Episode:
                 error = _EnvBroke(
                     ToolErrorType.EXECUTION_ERROR, f"the env raised {type(exc).__name__}: {exc}"
                 )
-            self.done, self.status = True, "error"
+            self.done, self.status, self.error = True, "error", str(error)
             await self.env.close()
             raise error from (None if isinstance(exc, TimeoutError) else exc)
 
@@ -357,6 +370,9 @@ def _arguments(raw: Any) -> dict[str, Any] | str:
             return f"error: the arguments are not valid JSON ({exc.msg}); send a JSON object"
         except RecursionError:
             return "error: the arguments nest too deeply; send a flat JSON object"
+        except ValueError as exc:  # e.g. an integer past the interpreter's digit limit
+            why = str(exc).split(";")[0]
+            return f"error: the arguments cannot be read as JSON ({why}); send a JSON object"
     if not isinstance(raw, dict):
         kind = "an array" if isinstance(raw, list) else f"{json.dumps(raw)[:40]}"
         return f"error: the arguments must be a JSON object, got {kind}"
@@ -397,6 +413,10 @@ class EpisodeManager:
         self.reset_timeout = reset_timeout
         self.idle_timeout = idle_timeout
         self.tool_timeout = tool_timeout
+        # The longest a step may hold its episode: the tool call, then at the end the state
+        # read and the grading, each within tool_timeout (and the env's release).
+        self.step_limit_s = 3 * tool_timeout + RELEASE_ALLOWANCE_S
+
         self.metrics = metrics
         self.on_capacity_wait: Callable[[], None] | None = None
         self.on_reap: Callable[[Episode], None] | None = None
@@ -487,21 +507,31 @@ class EpisodeManager:
             if obs.error is not None and obs.error.error_type in EPISODE_ENDING_TOOL_ERRORS:
                 outcome = obs.error.error_type.value
             self.metrics.steps.labels(outcome=outcome).inc()
+            if episode.closed_as is not None and not episode.closed_as.startswith("ended"):
+                # Closed under the call (shutdown, or a close that waited past its bound): the
+                # env was released mid-call, so its answer is not the episode's.
+                self.check_live(episode)
             if out.done:
-                await self.close(episode)
+                await self._forget(episode)
             return out
 
     async def state(self, episode: Episode) -> EpisodeState:
         """The episode's state (the env's under ``env``); one over ``max_state_bytes`` ends
-        the episode and raises ServerError naming the limit."""
+        the episode and raises ServerError naming the limit. After the end: the state read at
+        grading, or an empty ``env`` when the env failed (never a released env's state)."""
         async with episode.lock:
             self.check_live(episode)
             episode.last_active = time.monotonic()
             try:
                 env_state = await episode.read_state(self.tool_timeout)
+            except ServerError:
+                self.check_live(episode)  # closed under the read: that is why it failed
+                raise
             finally:
                 if episode.done and episode.status == "error":
-                    await self.close(episode)
+                    await self._forget(episode)
+            self.check_live(episode)
+
             return EpisodeState(
                 episode_id=episode.id,
                 step_count=episode.steps,
@@ -510,21 +540,38 @@ class EpisodeManager:
                 turn=episode.turn,
                 status=episode.status,  # type: ignore[arg-type]  # always one of the literals
                 env=env_state,
+                error=episode.error,
             )
 
     async def close(self, episode: Episode, status: str | None = None) -> None:
-        """Forget ``episode`` and free its slot (idempotent)."""
+        """Close ``episode`` for a client (``status`` for the metrics; idempotent). A call in
+        flight finishes first, so its answer is the episode's: close waits for it as long as
+        a step may take (:attr:`step_limit_s`); past that the env is released under it and
+        the call answers SESSION_ERROR."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.step_limit_s):
+                async with episode.lock:
+                    await self._forget(episode, status)
+                    return
+        await self._forget(episode, status)
+
+    async def _forget(self, episode: Episode, status: str | None = None) -> None:
+        """Forget ``episode``, release its env and free its slot (idempotent; no waiting for
+        a call in flight: the caller holds the lock or means to cut the call short).
+        ``closed_as`` is ``status``, or ``ended-<status>`` for an episode that ended itself."""
         if self._episodes.pop(episode.id, None) is None:
             return
-        await episode.env.close()
+        label = status or episode.status
+        episode.closed_as = status or f"ended-{episode.status}"
         episode.done = True
-        episode.closed_as = status or episode.status
-        self.metrics.episodes.labels(status=status or episode.status).inc()
+        await episode.env.close()
+        self.metrics.episodes.labels(status=label).inc()
         await self._give_slot()
 
     async def close_all(self) -> None:
+        """Close every episode now, cutting calls in flight short (they answer SHUTDOWN)."""
         for episode in list(self._episodes.values()):
-            await self.close(episode, "shutdown")
+            await self._forget(episode, "shutdown")
 
     def add_socket(self, key: int, hang_up: Callable[[int, str], Awaitable[None]]) -> None:
         """Register a live socket's ``hang_up(code, reason)`` for :meth:`shutdown`."""
@@ -551,7 +598,8 @@ class EpisodeManager:
             raise ServerError(ErrorCode.SESSION_ERROR, SHUTDOWN_REASON, Reason.SHUTDOWN)
 
     def check_live(self, episode: Episode) -> None:
-        """Raise the SESSION_ERROR for an episode the server closed (reaped, shut down)."""
+        """Raise the SESSION_ERROR for an episode closed before its end (reaped, shut down,
+        closed by a client); one that ended itself (graded, failed) stays readable."""
         if episode.closed_as == "shutdown":
             raise ServerError(ErrorCode.SESSION_ERROR, SHUTDOWN_REASON, Reason.SHUTDOWN)
         if episode.closed_as == "reaped":
@@ -560,6 +608,12 @@ class EpisodeManager:
                 f"the episode was closed after {self.idle_timeout:g} s idle; reset again",
                 Reason.REAPED,
             )
+        if episode.closed_as is not None and not episode.closed_as.startswith("ended"):
+            raise ServerError(
+                ErrorCode.SESSION_ERROR,
+                "the episode was closed before its end; reset to play again",
+                Reason.CLOSED,
+            )
 
     def is_open(self, episode: Episode) -> bool:
         return episode.id in self._episodes
@@ -567,13 +621,16 @@ class EpisodeManager:
     async def reap_idle(self, now: float | None = None) -> int:
         """Close every episode idle for more than ``idle_timeout``; returns how many."""
         now = time.monotonic() if now is None else now
+        # An episode whose lock is held (a call or state read in flight) is not idle.
         stale = [
             e
             for e in self._episodes.values()
-            if not e.busy and now - e.last_active > self.idle_timeout
+            if not e.busy and not e.lock.locked() and now - e.last_active > self.idle_timeout
         ]
         for episode in stale:
-            await self.close(episode, "reaped")
+            if episode.busy or episode.lock.locked():  # a call began while others closed
+                continue
+            await self._forget(episode, "reaped")
             if self.on_reap is not None:
                 self.on_reap(episode)
         return len(stale)

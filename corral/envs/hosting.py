@@ -113,6 +113,22 @@ def _fail(exc: BaseException) -> EnvFailure:
     return EnvFailure(f"the env raised {type(exc).__name__}: {exc}")
 
 
+def _outcome(value: Any) -> ToolOutcome:
+    """``value`` as the ToolOutcome the server reads, its fields as their types (as the
+    runner sends them); EnvFailure when the env returned something else."""
+    if not isinstance(value, ToolOutcome):
+        raise EnvFailure(f"the env returned {type(value).__name__}, not a ToolOutcome")
+    return ToolOutcome(str(value.content), done=bool(value.done), error=bool(value.error))
+
+
+def _state(value: Any) -> dict[str, Any]:
+    """``value`` as the env's state; EnvFailure when it is not a JSON object (its size and
+    content the episode checks against ``max_state_bytes``)."""
+    if not isinstance(value, dict):
+        raise EnvFailure(f"the env's state is {type(value).__name__}, not an object")
+    return value
+
+
 TaskView = Callable[[Task], Task]
 
 
@@ -145,16 +161,13 @@ class InProcessEnv:
         return str(await self._call(self.env.reset, task))
 
     async def call_tool(self, name: str, arguments: dict[str, Any]) -> ToolOutcome:
-        outcome: ToolOutcome = await self._call(self.env.call_tool, name, arguments)
-        return outcome
+        return _outcome(await self._call(self.env.call_tool, name, arguments))
 
     async def end_turn(self, arguments: dict[str, Any]) -> ToolOutcome:
-        outcome: ToolOutcome = await self._call(getattr(self.env, END_TURN_TOOL), arguments)
-        return outcome
+        return _outcome(await self._call(getattr(self.env, END_TURN_TOOL), arguments))
 
     async def state(self) -> dict[str, Any]:
-        state: dict[str, Any] = await self._call(self.env.state)
-        return state
+        return _state(await self._call(self.env.state))
 
     async def close(self) -> None:
         return None
@@ -238,10 +251,7 @@ class SandboxedEnv:
         return ToolOutcome(**await self.request("end_turn", arguments=arguments))
 
     async def state(self) -> dict[str, Any]:
-        state = await self.request("state")
-        if not isinstance(state, dict):
-            raise EnvFailure(f"the env's state is {type(state).__name__}, not an object")
-        return state
+        return _state(await self.request("state"))
 
     async def close(self) -> None:
         if self._closing is None:
