@@ -174,6 +174,20 @@ def _run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
+def _kept_from_the_model_and_graded(
+    bundle: Bundle, provider: Any, backend: str, port: int, secret: str, token: str
+) -> None:
+    """Attack ``provider``'s sandboxes twice: with the reference commands after the attacks
+    (graded correct 1) and idle (graded 0); every attack the backend keeps must fail both times."""
+    needles = _needles(bundle, secret, token)
+    played = _run(_play(bundle, provider, needles, port, solve=True))
+    _check(played, backend, needles)
+    assert played.scores["correct"] == 1.0, played.scores
+    idle = _run(_play(bundle, provider, needles, port, solve=False))
+    _check(idle, backend, needles)
+    assert idle.scores["correct"] == 0.0 and idle.scores["partial"] == 0.0, idle.scores
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="the jailed local backend needs root")
 def test_local_as_root_jails_the_model_as_nobody(
     bundle: Bundle, server_port: tuple[int, str], server_secret: str
@@ -197,7 +211,8 @@ def test_unjailed_local_as_root_is_the_original_cheat(
 ) -> None:
     """The control: local with no jail (``model_uid=None``) as root. The model's shell is root
     (``CAP_SYS_PTRACE``): it reads the runner's memory despite the runner being non-dumpable and
-    finds the canary task id and the seed, signals it, reads its environment. So the attack
+    finds the canary task id (the seed itself no longer reaches the runner), signals it, reads
+    its environment. So the attack
     detects the cheat that the jails stop. Graded anyway: idle scores 0."""
     port, token = server_port
     needles = _needles(bundle, server_secret, token)
@@ -217,14 +232,8 @@ def test_bwrap_keeps_the_runner_from_the_model(
     bundle: Bundle, server_port: tuple[int, str], server_secret: str, tmp_path: Any
 ) -> None:
     port, token = server_port
-    needles = _needles(bundle, server_secret, token)
     provider = BwrapProvider(f"attacks-bwrap-{secrets.token_hex(4)}", state_dir=tmp_path)
-    played = _run(_play(bundle, provider, needles, port, solve=True))
-    _check(played, "bwrap", needles)
-    assert played.scores["correct"] == 1.0, played.scores
-    idle = _run(_play(bundle, provider, needles, port, solve=False))
-    _check(idle, "bwrap", needles)
-    assert idle.scores["correct"] == 0.0 and idle.scores["partial"] == 0.0, idle.scores
+    _kept_from_the_model_and_graded(bundle, provider, "bwrap", port, server_secret, token)
 
 
 def test_docker_keeps_the_runner_from_the_model(
@@ -233,14 +242,8 @@ def test_docker_keeps_the_runner_from_the_model(
     from corral.sandboxes.docker import DockerProvider
 
     port, token = server_port
-    needles = _needles(bundle, server_secret, token)
     provider = DockerProvider(f"attacks-docker-{secrets.token_hex(4)}", image=SANDBOX_IMAGE)
-    played = _run(_play(bundle, provider, needles, port, solve=True))
-    _check(played, "docker", needles)
-    assert played.scores["correct"] == 1.0, played.scores
-    idle = _run(_play(bundle, provider, needles, port, solve=False))
-    _check(idle, "docker", needles)
-    assert idle.scores["correct"] == 0.0, idle.scores
+    _kept_from_the_model_and_graded(bundle, provider, "docker", port, server_secret, token)
 
 
 def test_kubernetes_and_e2b_jails_are_documented_as_empty() -> None:
