@@ -32,8 +32,8 @@ import asyncio
 import json
 import logging
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, Callable, Mapping
-from contextlib import aclosing, suppress
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from contextlib import aclosing, asynccontextmanager, suppress
 from types import TracebackType
 from typing import Any, Literal, Self, TypeVar, overload
 
@@ -220,14 +220,7 @@ class SGLangClient:
         # Serialised by pydantic-core: a long session's 100k prompt ids cost the stdlib's
         # json.dumps some 10 ms a turn.
         body = req.model_copy(update={"stream": True}).model_dump_json(exclude_none=True).encode()
-        resp = await self._open(
-            "POST", "/generate", json_body=body, idempotent=False, headers=self._routing(req)
-        )
-        complete = False
-        try:
-            if resp.status >= 300:
-                answer = await self._read(resp, where, self.timeout)
-                raise _status_error(answer, where)
+        async with self._streaming("/generate", body, where, self._routing(req)) as resp:
             tracker = _DeltaTracker(req, where)
             done = False
             async with aclosing(_sse_data(resp, where, tracker.progress)) as events:
@@ -245,6 +238,21 @@ class SGLangClient:
                     f"{where}: stream ended without [DONE] and without a finish_reason "
                     f"after {tracker.seen_tokens} tokens"
                 )
+
+    @asynccontextmanager
+    async def _streaming(
+        self, path: str, body: bytes, where: str, headers: Mapping[str, str] | None = None
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """The open response of a streamed ``POST path`` (a non-2xx answer raises its
+        ``EngineStatusError``). A body read to its end goes back to the pool; one left early
+        (an error, ``aclose()``, cancellation) is closed."""
+        resp = await self._open("POST", path, json_body=body, idempotent=False, headers=headers)
+        complete = False
+        try:
+            if resp.status >= 300:
+                answer = await self._read(resp, where, self.timeout)
+                raise _status_error(answer, where)
+            yield resp
             complete = True
         finally:
             if complete:

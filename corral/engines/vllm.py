@@ -404,14 +404,8 @@ class VLLMClient(SGLangClient):
         aborts the request (wrap the iterator in ``contextlib.aclosing`` to do it at once).
         """
         where = self._where("POST", GENERATE_PATH)
-        resp = await self._open(
-            "POST", GENERATE_PATH, json_body=_body(req, stream=True), idempotent=False
-        )
-        complete = False
-        try:
-            if resp.status >= 300:
-                answer = await self._read(resp, where, self.timeout)
-                raise _status_error(answer, where)
+        # Dropping an unfinished response is how vLLM learns nobody listens any more.
+        async with self._streaming(GENERATE_PATH, _body(req, stream=True), where) as resp:
             seen = 0
             finished = False
             done = False
@@ -453,13 +447,6 @@ class VLLMClient(SGLangClient):
                 )
             if not finished:
                 raise EngineProtocolError(f"{where}: stream ended without a finish_reason")
-            complete = True
-        finally:
-            if complete:
-                resp.release()
-            else:
-                # Dropping the connection is how vLLM learns nobody listens any more.
-                resp.close()
 
     # --- control ----------------------------------------------------------------------
 
