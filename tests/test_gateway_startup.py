@@ -48,9 +48,16 @@ class GatewayLog:
             self._queue.put(line.rstrip("\n"))
         self._queue.put(None)
 
-    def wait_for(self, wanted: Callable[[str], bool], what: str) -> str:
-        """The first line from now on that ``wanted`` accepts; fails after DEADLINE_S or when
-        the process ends first."""
+    def wait_for(
+        self, wanted: Callable[[str], bool], what: str, *, from_start: bool = False
+    ) -> str:
+        """The first line from now on that ``wanted`` accepts (with ``from_start``, the lines
+        already read count too: uvicorn's start line may come after the one wanted); fails
+        after DEADLINE_S or when the process ends first."""
+        if from_start:
+            for line in self.lines:
+                if wanted(line):
+                    return line
         deadline = time.monotonic() + DEADLINE_S
         while (left := deadline - time.monotonic()) > 0:
             try:
@@ -119,7 +126,9 @@ def test_a_dead_engine_gives_one_warning_at_start_and_one_line_per_failed_reques
 ) -> None:
     dead = f"http://127.0.0.1:{free_port()}"  # nobody listens there
     with gateway_process(dead, tiny_model_dir) as (gateway, log):
-        warning = log.wait_for(lambda line: "health check" in line, "the start-up check")
+        warning = log.wait_for(
+            lambda line: "health check" in line, "the start-up check", from_start=True
+        )
         assert " WARNING " in warning and dead in warning and "connection refused" in warning
 
         session_id, key = _session(gateway)
@@ -152,7 +161,9 @@ def test_a_dead_engine_gives_one_warning_at_start_and_one_line_per_failed_reques
 
 def test_an_engine_that_answers_gives_no_warning(tiny_model_dir: Path, engine_url: str) -> None:
     with gateway_process(engine_url, tiny_model_dir) as (gateway, log):
-        line = log.wait_for(lambda line: "health check" in line, "the start-up check")
+        line = log.wait_for(
+            lambda line: "health check" in line, "the start-up check", from_start=True
+        )
         assert " INFO " in line and engine_url in line and "answers its health check" in line
         session_id, key = _session(gateway)
         answer = _chat(gateway, session_id, key)
