@@ -64,7 +64,13 @@ log = logging.getLogger(__name__)
 CODE_ROOT = RUNNER_ROOT  # where the payload is bound; the bwrap jail covers it
 UPLOAD_ROOT = "/tmp/.corral-env"
 # corral's modules a sandbox needs (standard library only), from corral/envs.
-RUNNER_MODULES = ("episode.py", "importing.py", "model_actions.py", "runner.py")
+RUNNER_MODULES = (
+    "agent_launcher.py",
+    "episode.py",
+    "importing.py",
+    "model_actions.py",
+    "runner.py",
+)
 _DIR_MODE, _FILE_MODE = 0o700, 0o600
 
 

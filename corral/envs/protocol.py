@@ -195,11 +195,92 @@ class McpMessage(_Strict):
     request_id: RequestId | None = None
 
 
-ClientMessageT = ResetMessage | StepMessage | StateRequest | CloseMessage | McpMessage
+# -- a black-box agent in the episode's sandbox (corral's extension; see corral.harnesses) ----
+
+# Replaced, wherever it appears in an AgentLaunch's argv, env values and file contents, by the
+# origin the agent reaches the gateway at from inside its sandbox ("http://127.0.0.1:PORT":
+# a listener of the agent's own, bridged to the gateway by the env server).
+GATEWAY_PLACEHOLDER = "@@CORRAL_GATEWAY@@"
+# Where the agent's own folders are in its sandbox, made by the sandbox side before it starts,
+# owned by the model's user: HOME, TMPDIR (a folder of its own: Codex refuses a CODEX_HOME
+# under the temporary folder), and CORRAL_AGENT_DIR (its program files, read-only).
+AGENT_ROOT = "/tmp/corral-agent"
+AGENT_HOME = f"{AGENT_ROOT}/home"
+AGENT_TMP = f"{AGENT_ROOT}/tmp"
+AGENT_DIR = f"{AGENT_ROOT}/agent"
+AgentFileArea = Literal["home", "agent_dir"]
+
+
+class AgentFile(_Strict):
+    """A file written for the agent before it starts: under its ``HOME`` (configs it may
+    change) or under ``CORRAL_AGENT_DIR`` (its own program files, made read-only).
+    ``path`` is relative, "/"-separated, without ``..``."""
+
+    area: AgentFileArea = "home"
+    path: str = Field(min_length=1, max_length=1024)
+    content_b64: str
+    executable: bool = False
+
+
+class AgentLaunch(_Strict):
+    """How to run one black-box agent in the episode's sandbox, in the task's workspace (its
+    working folder), as the model's unprivileged user. ``env`` is the agent's whole
+    environment but for ``HOME``, ``TMPDIR``, ``PATH`` and ``CORRAL_AGENT_DIR``, which the
+    sandbox side sets. ``gateway``: the gateway's origin as the *env server* reaches it
+    (``http(s)://host:port``); the agent reaches it through :data:`GATEWAY_PLACEHOLDER`.
+    ``transcript``: which of its output streams is its transcript (kept whole, up to a
+    bound). ``timeout_s``: its budget; past it the agent gets SIGTERM, then its whole process
+    tree is killed ``kill_grace_s`` later."""
+
+    harness: str = Field(min_length=1, max_length=64)  # for the record: "codex", "command", ...
+    argv: list[str] = Field(min_length=1)
+    env: dict[str, str] = Field(default_factory=dict)
+    files: list[AgentFile] = Field(default_factory=list)
+    gateway: str = Field(min_length=1, max_length=2048)
+    timeout_s: float = Field(gt=0)
+    kill_grace_s: float = Field(default=5.0, ge=0, le=60)
+    transcript: Literal["stdout", "stderr"] = "stdout"
+
+
+class AgentRun(BaseModel):
+    """How the agent's process ended. ``exit_code`` is ``None`` when it was killed (its
+    budget ran out: ``timed_out``; or the sandbox killed it: ``killed_reason``). Times are
+    seconds since the env server took the launch: ``started_s`` when the agent's process
+    started, ``first_request_s`` when it first connected to the gateway (None: never),
+    ``seconds`` when it ended. ``transcript`` is the transcript stream's first
+    ``MAX_TRANSCRIPT_BYTES`` (``transcript_truncated`` when it wrote more); the tails are
+    the last bytes of each stream, decoded."""
+
+    exit_code: int | None
+    timed_out: bool = False
+    killed_reason: str | None = None
+    stdout_tail: str = ""
+    stderr_tail: str = ""
+    transcript: str = ""
+    transcript_truncated: bool = False
+    started_s: float | None = None
+    first_request_s: float | None = None
+    seconds: float = 0.0
+    gateway_connections: int = 0
+
+
+class AgentMessage(_Strict):
+    """Run a black-box agent on this socket's episode, then end the episode (the bundle's
+    ``[agent] finish_tool``, else ``end_turn`` until it ends) and grade it. The reply, an
+    ``agent`` frame, comes when all that is done."""
+
+    type: Literal["agent"] = "agent"
+    data: AgentLaunch
+    request_id: RequestId | None = None
+
+
+ClientMessageT = (
+    ResetMessage | StepMessage | StateRequest | CloseMessage | McpMessage | AgentMessage
+)
 CLIENT_MESSAGE: TypeAdapter[ClientMessageT] = TypeAdapter(
     Annotated[ClientMessageT, Field(discriminator="type")]
 )
-CLIENT_TYPES = ("reset", "step", "state", "close", "mcp")
+CLIENT_TYPES = ("reset", "step", "state", "close", "mcp", "agent")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -410,6 +491,25 @@ class McpReply(BaseModel):
     request_id: RequestId | None = None
 
 
+class AgentResult(BaseModel):
+    """The ``agent`` frame's data: how the agent ended, and the episode after it was ended
+    and graded (``status`` ``graded`` with ``reward``, or ``error`` with ``grade_error``)."""
+
+    run: AgentRun
+    status: Status
+    reward: float | None = None
+    scores: dict[str, float] | None = None
+    grade_error: str | None = None
+    turn: int = 0
+    step: int = 0
+
+
+class AgentReply(BaseModel):
+    type: Literal["agent"] = "agent"
+    data: AgentResult
+    request_id: RequestId | None = None
+
+
 class ErrorData(BaseModel):
     """``message`` for people, ``code`` (OpenEnv's) and ``reason`` (corral's) for programs.
     ``VALIDATION_ERROR`` adds ``errors``; ``CAPACITY_REACHED`` adds ``active_sessions`` and
@@ -431,7 +531,7 @@ class ErrorMessage(BaseModel):
     request_id: RequestId | None = None
 
 
-ServerMessageT = ObservationMessage | StateMessage | McpReply | ErrorMessage
+ServerMessageT = ObservationMessage | StateMessage | McpReply | AgentReply | ErrorMessage
 SERVER_MESSAGE: TypeAdapter[ServerMessageT] = TypeAdapter(
     Annotated[ServerMessageT, Field(discriminator="type")]
 )
