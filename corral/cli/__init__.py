@@ -34,6 +34,7 @@ def build_parser() -> Parser:
     """The ``corral`` parser with every subcommand."""
     from corral.adapters.agents import add_play_command
     from corral.cli.commands import add_core_commands
+    from corral.cli.harness import add_harness_command
     from corral.doctor import add_doctor_command
     from corral.trainer.commands import add_train_commands
 
@@ -49,6 +50,7 @@ def build_parser() -> Parser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_core_commands(sub)
     add_play_command(sub)
+    add_harness_command(sub)
     add_train_commands(sub)
     add_doctor_command(sub)
     return parser
