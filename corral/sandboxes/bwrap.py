@@ -9,7 +9,9 @@ A sandbox is a host folder (its writable ``workdir``) plus per-sandbox cgroups; 
   read-only ``/etc`` (only what the dynamic loader and Python read; never ``/etc/shadow``),
   the spec's binds, a private ``/tmp``, fresh ``/proc`` and ``/dev``, the workdir read-write;
 - a seccomp filter built with libseccomp (``pyseccomp``) passed with ``--seccomp FD``: it
-  refuses ``ptrace`` (and its relatives) always, and ``socket(AF_INET|AF_INET6)`` under ``none``;
+  refuses ``ptrace`` (and its relatives). Under ``none`` the network namespace is the exec's own,
+  holding nothing but its own loopback: internet sockets are allowed there (a black-box agent
+  listens on it, bridged to its gateway by the env server), and lead nowhere else;
 - memory, pids (and CPU, if ``spec.cpus``) limits through cgroups v1 at
   ``/sys/fs/cgroup/{memory,pids,cpu}/corral/<id>``: a tiny ``sh`` wrapper writes its own pid into
   ``cgroup.procs`` and then execs ``bwrap``, so everything inside is charged. Where the host does
@@ -18,8 +20,7 @@ A sandbox is a host folder (its writable ``workdir``) plus per-sandbox cgroups; 
 
 Policy ``loopback`` uses ``--share-net``: the sandbox shares the **host's network namespace**.
 It can then reach *every* host loopback service (not only the env server's port) and the
-host's outside network, and services it starts are reachable on the host's 127.0.0.1; only
-the seccomp socket rule is lifted. Use ``none`` for untrusted actions unless the env truly
+host's outside network, and services it starts are reachable on the host's 127.0.0.1. Use ``none`` for untrusted actions unless the env truly
 needs the network. ``allowlist`` is refused (bwrap has no per-host filter).
 
 Processes do not outlive their exec: each exec is its own pid namespace, killed when its main
@@ -39,7 +40,7 @@ command gets its own user namespace (a child of the sandbox's: no capability ove
 and its own pid namespace (the runner's pid names nothing there: ``kill``, ``pidfd_send_signal``
 on a ``/proc/<pid>`` fd fail), with :data:`~corral.sandboxes.base.RUNNER_ROOT` (the runner's
 code) covered by an empty tmpfs; the sandbox's filesystem, network and seccomp filter (which
-refuses ``ptrace`` and, under ``none``, internet sockets) carry over unchanged. A fresh
+refuses ``ptrace``) carry over unchanged. A fresh
 ``/proc`` cannot be mounted there (the outer one has covered paths), so the outer one stays:
 the runner's entries are visible, but the runner makes itself non-dumpable
 (:mod:`corral.envs.runner`), which puts its ``mem``, ``environ`` and ``fd/`` behind
@@ -56,7 +57,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import tempfile
 import uuid
 from collections.abc import Mapping, Sequence
@@ -94,14 +94,14 @@ ETC_FILES = (
 )
 _PTRACE_LIKE = ("ptrace", "process_vm_readv", "process_vm_writev")
 
-_filters: dict[bool, bytes] = {}
+_filters: dict[str, bytes] = {}
 
 
-def seccomp_filter(deny_inet: bool) -> bytes:
-    """The BPF program (built by libseccomp, cached): EPERM for ptrace-like calls, and EACCES for
-    ``socket(AF_INET/AF_INET6, ...)`` when ``deny_inet``. Raises :class:`SandboxError` if
-    libseccomp (``pyseccomp`` + ``libseccomp2``) is missing: no filter, no sandbox."""
-    if deny_inet not in _filters:
+def seccomp_filter() -> bytes:
+    """The BPF program (built by libseccomp, cached): EPERM for ptrace-like calls. Raises
+    :class:`SandboxError` if libseccomp (``pyseccomp`` + ``libseccomp2``) is missing: no filter,
+    no sandbox."""
+    if "ptrace" not in _filters:
         try:
             import pyseccomp as sc
         except (ImportError, OSError, RuntimeError) as e:  # RuntimeError: no libseccomp
@@ -109,14 +109,11 @@ def seccomp_filter(deny_inet: bool) -> bytes:
         f = sc.SyscallFilter(sc.ALLOW)
         for call in _PTRACE_LIKE:
             f.add_rule(sc.ERRNO(errno.EPERM), call)
-        if deny_inet:
-            for family in (socket.AF_INET, socket.AF_INET6):
-                f.add_rule(sc.ERRNO(errno.EACCES), "socket", sc.Arg(0, sc.EQ, family))
         with tempfile.TemporaryFile() as t:
             f.export_bpf(t)
             t.seek(0)
-            _filters[deny_inet] = t.read()
-    return _filters[deny_inet]
+            _filters["ptrace"] = t.read()
+    return _filters["ptrace"]
 
 
 class BwrapSandbox(HostFolderFiles, Sandbox):
@@ -229,7 +226,7 @@ class BwrapSandbox(HostFolderFiles, Sandbox):
         full_env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": self.spec.workdir}
         full_env |= {"LANG": "C.UTF-8"} | dict(self.spec.env) | dict(env or {})
         fd = os.memfd_create("corral-seccomp")
-        os.write(fd, seccomp_filter(self.spec.network.mode != "loopback"))
+        os.write(fd, seccomp_filter())
         os.lseek(fd, 0, os.SEEK_SET)
         return fd, self._argv(cmd, full_env, cwd or self.spec.workdir, fd)
 
@@ -364,7 +361,7 @@ class BwrapProvider(SandboxProvider):
             raise SandboxError("bwrap backend: spec.rootfs is not supported yet (host /usr only)")
         if shutil.which(self.bwrap) is None:
             raise SandboxError(f"{self.bwrap!r} not found: apt-get install bubblewrap")
-        seccomp_filter(spec.network.mode != "loopback")  # fail now, not at the first exec
+        seccomp_filter()  # fail now, not at the first exec
         sid = f"bw-{uuid.uuid4().hex[:12]}"
         folder = self.records.root / sid
         cg = {c: str(self.cgroup_root / c / "corral" / sid) for c in ("memory", "pids", "cpu")}

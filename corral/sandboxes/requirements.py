@@ -157,7 +157,7 @@ def _check_pyseccomp(libseccomp_ok: bool) -> Check:
     from corral.sandboxes.bwrap import seccomp_filter
 
     try:
-        seccomp_filter(True)
+        seccomp_filter()
     except Exception as e:  # a broken libseccomp: say what it said
         return Check("pyseccomp", False, f"the seccomp filter cannot be built: {e}", ENVS_EXTRA)
     return Check("pyseccomp", True, f"pyseccomp {_version('pyseccomp')}, seccomp filter built")
