@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +18,8 @@ from corral.adapters.rows import RowSettings
 from corral.cli.checks import bundle_folder, gateway_error, model_folder, probe_gateway, rows_file
 from corral.cli.errors import RunError, UsageError, first_of
 from corral.envs.playcheck import DEFAULT_MARGIN, DEFAULT_SEED, DEFAULT_TASKS
+from corral.envs.server import DEFAULT_AGENT_MAX_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from corral.envs.server import DEFAULT_FIRST_RESET_TIMEOUT as FIRST_RESET_TIMEOUT_S
-from corral.envs.server import DEFAULT_MAX_BODY_BYTES
 from corral.gateway.parsers.reasoning import reasoning_parser_names
 from corral.gateway.parsers.tool_calls import tool_call_parser_names
 from corral.gateway.settings import DEFAULT_CLIENT_TEMPLATE_KWARGS, GatewaySettings
@@ -137,6 +138,16 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+# Where `corral serve` finds the agent CLIs when --agent-clis is not given.
+AGENT_CLIS_VARIABLE = "CORRAL_AGENT_CLIS"
+
+
+def _agent_clis(flag: str | None) -> Path | None:
+    """--agent-clis, else $CORRAL_AGENT_CLIS when set (and not empty), else none."""
+    chosen = flag or os.environ.get(AGENT_CLIS_VARIABLE) or None
+    return Path(chosen) if chosen is not None else None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     bundle = bundle_folder(args.bundle)
     from corral.envs.server import build_app, run_server
@@ -159,6 +170,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             warm_sandboxes=args.warm_sandboxes,
             first_reset_timeout=args.first_reset_timeout,
             max_body_bytes=args.max_body_bytes,
+            agent_clis=_agent_clis(args.agent_clis),
+            agent_gateways=args.agent_gateway,
+            agent_max_timeout_s=args.agent_max_timeout,
         )
     except SandboxError as exc:
         # The machine lacks what the backend needs (one line per missing piece): a runtime
@@ -607,6 +621,28 @@ def _add_serve(sub: Any) -> None:
         default=DEFAULT_MAX_BODY_BYTES,
         metavar="BYTES",
         help="largest HTTP request body (reset, step, /mcp; beyond: 413)",
+    )
+    serve.add_argument(
+        "--agent-clis",
+        metavar="DIR",
+        help="the npm install of the agent CLIs (scripts/agent_clis.sh DIR), handed read-only "
+        "to every bwrap or docker sandbox for black-box agents (claude, codex on PATH); "
+        f"default: ${AGENT_CLIS_VARIABLE} when set, else none (only command agents run)",
+    )
+    serve.add_argument(
+        "--agent-gateway",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="a gateway origin (scheme://host:port) black-box agents may reach (repeatable); "
+        "default: loopback origins only",
+    )
+    serve.add_argument(
+        "--agent-max-timeout",
+        type=float,
+        default=DEFAULT_AGENT_MAX_TIMEOUT_S,
+        metavar="S",
+        help="the longest budget a black-box agent's launch may ask for, in seconds",
     )
     add_transport_flags(serve)
     serve.set_defaults(func=cmd_serve)

@@ -220,6 +220,21 @@ class EvalSpec(_Model):
     group_by: str | None = Field(default=None, pattern=r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 
+class AgentSpec(_Model):
+    """``[agent]``: what a black-box agent (a harness: Claude Code, Codex, any command) needs to
+    play the bundle's tasks in the episode's sandbox, in the task's working folder. A bundle
+    without it is not playable by harness agents (the server refuses the ``agent`` frame).
+
+    ``instructions``: text the agent gets besides the task's prompt (the system prompt speaks
+    of the bundle's tools, which a harness agent does not have): where the task's files are,
+    where to write, that it ends by exiting. ``finish_tool``: a tool of the bundle called with
+    ``{}`` to end the episode after the agent exits (``None``: ``end_turn`` until it ends).
+    """
+
+    instructions: str = Field(min_length=1)
+    finish_tool: str | None = Field(default=None, pattern=_TOOL_NAME)
+
+
 class BundleManifest(_Model):
     """``bundle.toml``, validated. Paths in it are relative to the bundle folder."""
 
@@ -241,6 +256,7 @@ class BundleManifest(_Model):
     solver: EntryPoint | None = None
     baselines: tuple[BaselineSpec, ...] = ()
     limits: LimitsSpec = LimitsSpec()
+    agent: AgentSpec | None = None
 
 
 class _TaskLine(_Model):
@@ -589,6 +605,12 @@ def _check(root: Path) -> _Checked:
             problems.append(f"{where}: duplicate tool name")
         seen_tools.add(tool.name)
         problems.extend(f"{where}: parameters: {p}" for p in parameters_problems(tool.parameters))
+    finish = manifest.agent.finish_tool if manifest.agent is not None else None
+    if finish is not None and finish not in seen_tools:
+        problems.append(
+            f"{MANIFEST}: agent.finish_tool: {finish!r} is not one of the bundle's tools "
+            f"{sorted(seen_tools)}"
+        )
     for split, rel in manifest.splits.items():
         if not re.match(_SIMPLE_NAME, split):
             problems.append(f"{MANIFEST}: splits: bad split name {split!r}")

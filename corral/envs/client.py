@@ -32,6 +32,9 @@ from websockets.protocol import State
 
 from corral.envs.protocol import (
     SERVER_MESSAGE,
+    AgentLaunch,
+    AgentReply,
+    AgentResult,
     CallToolObservation,
     EpisodeState,
     ErrorData,
@@ -71,7 +74,10 @@ class EnvServerError(EnvClientError):
 
 
 # Errors after which the socket has no episode in progress.
-_EPISODE_OVER_REASONS = frozenset({"episode_done", "no_episode", "state_too_large"})
+_EPISODE_OVER_REASONS = frozenset({"episode_done", "no_episode", "state_too_large", "agent_failed"})
+# What an agent frame's reply may take beyond the agent's budget and kill grace, besides the
+# ending of the episode (see EnvClient.run_agent): the launcher's start and the files it writes.
+AGENT_START_S = 30.0
 
 
 def ws_url(url: str) -> str:
@@ -182,6 +188,31 @@ class EnvClient:
             raise EnvClientError(f"expected a state reply, got {reply.type!r}")
         return reply.data
 
+    async def run_agent(
+        self, launch: AgentLaunch, *, finish_timeout: float | None = None
+    ) -> AgentResult:
+        """Run a black-box agent on the episode (reset first), in its sandbox, in the task's
+        working folder; the server then ends the episode and grades it, and the result says
+        how the agent ended (``run``) and the episode's ``status``, ``reward``, ``scores``
+        or ``grade_error``. The episode is over afterwards.
+
+        The reply is awaited for ``launch.timeout_s + launch.kill_grace_s`` (the agent's
+        budget) plus :data:`AGENT_START_S` plus ``finish_timeout``: what the server may take
+        to end and grade the episode (its finish tool, then up to ``max_turns`` end_turn
+        calls, each within its tool timeout); default ``3 * timeout + 10`` s, one ending step
+        with a server tool timeout equal to this client's ``timeout``. Refusals raise
+        :class:`EnvServerError`: ``no_agent_support`` (the bundle has no ``[agent]``, or the
+        server runs no sandbox), ``agent_running``, ``agent_refused`` (VALIDATION_ERROR: the
+        launch breaks the server's policy; the episode goes on), ``agent_failed`` (its
+        sandbox failed: the episode is over)."""
+        finish = 3 * self.timeout + 10.0 if finish_timeout is None else finish_timeout
+        limit_s = launch.timeout_s + launch.kill_grace_s + AGENT_START_S + finish
+        message = {"type": "agent", "data": launch.model_dump(mode="json")}
+        reply = await self._request(message, limit_s)
+        if not isinstance(reply, AgentReply):
+            raise EnvClientError(f"expected an agent reply, got {reply.type!r}")
+        return reply.data
+
     async def close(self) -> None:
         """Close the episode and the socket (idempotent; never raises for a dead socket)."""
         ws, self._ws = self._ws, None
@@ -230,6 +261,8 @@ class EnvClient:
             raise EnvClientError("the server answered a JSON-RPC frame to a step")
         if isinstance(reply, ObservationMessage):
             self._in_episode = not reply.data.done
+        if isinstance(reply, AgentReply):  # the server ended the episode after the agent
+            self._in_episode = False
         return reply
 
     async def _exchange(self, message: dict[str, Any], limit_s: float) -> ServerMessageT:

@@ -18,9 +18,11 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from corral.envs.agent_bridge import AgentRefused
 from corral.envs.bundle import Bundle, RewardError, TaskNotFound, VerifierError
 from corral.envs.episode import END_TURN_TOOL, Task
 from corral.envs.hosting import (
+    AgentUnsupported,
     EnvFailure,
     EnvHandle,
     EnvHost,
@@ -28,6 +30,9 @@ from corral.envs.hosting import (
 )
 from corral.envs.protocol import (
     EPISODE_ENDING_TOOL_ERRORS,
+    AgentLaunch,
+    AgentResult,
+    AgentRun,
     CallToolAction,
     CallToolObservation,
     EpisodeState,
@@ -61,6 +66,9 @@ DEFAULT_MAX_CONCURRENT_ENVS = 64
 # Beyond its calls' deadlines, what a step may spend releasing a failed env (a container's
 # removal): how much longer a client's close waits for it.
 RELEASE_ALLOWANCE_S = 10.0
+# Beyond an agent's budget and kill grace, what its run may take to start (the launcher, its
+# files) and wind down before the server gives up on it and fails the episode.
+AGENT_RUN_SLACK_S = 60.0
 
 
 class ServerError(Exception):
@@ -166,6 +174,7 @@ class Episode:
         self.status = "running"
         self.last_active = time.monotonic()
         self.busy = False  # a step in flight: the reaper leaves the episode alone
+        self.agent_running = False  # a black-box agent plays the episode (EpisodeManager)
         # Set by the manager when it forgets the episode: "reaped", "shutdown", "closed", or
         # "ended-<status>" for one that ended itself.
         self.closed_as: str | None = None
@@ -175,12 +184,14 @@ class Episode:
         self._release: asyncio.Future[None] | None = None
 
     def reset_observation(self, prompt: str) -> StepResult[ResetObservation]:
+        agent = self.bundle.manifest.agent
         obs = ResetObservation(
             prompt=prompt,
             system_prompt=self.bundle.manifest.system_prompt,
             tools=self.tools,
             task_id=self.task.id,
             episode_id=self.id,
+            agent_instructions=agent.instructions if agent is not None else None,
         )
         return StepResult[ResetObservation](observation=obs)
 
@@ -360,6 +371,14 @@ class Episode:
             raise error from (None if isinstance(exc, TimeoutError) else exc)
 
 
+def _agent_running() -> ServerError:
+    return ServerError(
+        ErrorCode.EXECUTION_ERROR,
+        "a black-box agent plays this episode now: wait for its agent reply (or close)",
+        Reason.AGENT_RUNNING,
+    )
+
+
 def _arguments(raw: Any) -> dict[str, Any] | str:
     """Tool arguments as a dict, or the tool-error message the model reads when they are not
     a JSON object (a string is parsed first: OpenAI clients send arguments as JSON text)."""
@@ -486,7 +505,15 @@ class EpisodeManager:
     async def step(self, episode: Episode, call: CallToolAction) -> StepResult[CallToolObservation]:
         """One tool call on a live episode (serialised on its lock), counted in the metrics;
         an episode that ends frees its slot (the object stays, so later steps get
-        ``episode_done`` rather than ``no_episode``)."""
+        ``episode_done`` rather than ``no_episode``). Refused (``agent_running``) while a
+        black-box agent plays the episode."""
+        if episode.agent_running:
+            raise _agent_running()
+        return await self._step(episode, call)
+
+    async def _step(
+        self, episode: Episode, call: CallToolAction
+    ) -> StepResult[CallToolObservation]:
         async with episode.lock:
             self.check_live(episode)
             episode.busy = True
@@ -514,6 +541,108 @@ class EpisodeManager:
             if out.done:
                 await self._forget(episode)
             return out
+
+    def check_agent(self, episode: Episode) -> None:
+        """Raise the ServerError for an ``agent`` frame that cannot run on ``episode``: closed
+        under its client, over, no ``[agent]`` in the bundle, or an agent already on it."""
+        self.check_live(episode)
+        if self.bundle.manifest.agent is None:
+            raise ServerError(
+                ErrorCode.EXECUTION_ERROR,
+                f"bundle {self.bundle.name!r} has no [agent] section: its tasks are not "
+                "playable by black-box agents",
+                Reason.NO_AGENT_SUPPORT,
+            )
+        if episode.agent_running:
+            raise _agent_running()
+        if episode.done:
+            raise ServerError(
+                ErrorCode.EXECUTION_ERROR,
+                "the episode is over; reset to play again",
+                Reason.EPISODE_DONE,
+            )
+
+    async def run_agent(self, episode: Episode, launch: AgentLaunch) -> AgentResult:
+        """Run a black-box agent on ``episode``, then end the episode and grade it as any end
+        does: the bundle's ``[agent] finish_tool`` called with ``{}`` (when the task offers
+        it), then ``end_turn`` until the episode ends (at most ``max_turns`` times; the
+        result's ``step`` and ``turn`` count these calls). The episode is busy throughout:
+        the idle reaper leaves it alone, and tool calls on it are refused (``agent_running``).
+
+        Refusals, with the episode untouched and still playable: :meth:`check_agent`'s, a
+        host that runs no agents (``no_agent_support``), a launch that breaks the server's
+        policy (VALIDATION_ERROR ``agent_refused``). A sandbox that fails under the agent (or
+        a run past its budget by :data:`AGENT_RUN_SLACK_S`) ends the episode with status
+        ``error`` and raises EXECUTION_ERROR ``agent_failed``. An env that fails while the
+        episode is ended gives a result with status ``error`` and ``grade_error``. A close
+        or shutdown under the run raises its SESSION_ERROR. Cancellation stops the agent
+        (the bridge kills it) and leaves the episode to its closer."""
+        self.check_agent(episode)
+        episode.agent_running = episode.busy = True
+        try:
+            run = await self._agent_run(episode, launch)
+            self.check_live(episode)
+            return await self._finish_agent(episode, run)
+        finally:
+            episode.agent_running = episode.busy = False
+            episode.last_active = time.monotonic()
+
+    async def _agent_run(self, episode: Episode, launch: AgentLaunch) -> AgentRun:
+        limit_s = launch.timeout_s + launch.kill_grace_s + AGENT_RUN_SLACK_S
+        try:
+            return await asyncio.wait_for(episode.env.run_agent(launch), limit_s)
+        except AgentUnsupported as exc:
+            raise ServerError(
+                ErrorCode.EXECUTION_ERROR, str(exc), Reason.NO_AGENT_SUPPORT
+            ) from None
+        except AgentRefused as exc:
+            raise ServerError(
+                ErrorCode.VALIDATION_ERROR,
+                f"the agent launch is refused: {exc}",
+                Reason.AGENT_REFUSED,
+            ) from None
+        except (EnvFailure, TimeoutError) as exc:
+            self.check_live(episode)  # closed under the run: that is why it failed
+            why = str(exc)
+            if isinstance(exc, TimeoutError):
+                why = f"its run did not end within {limit_s:g} s"
+            async with episode.lock:
+                episode.done, episode.status = True, "error"
+                episode.error = f"the agent could not run: {why}"
+                await self._forget(episode)
+            raise ServerError(
+                ErrorCode.EXECUTION_ERROR, episode.error, Reason.AGENT_FAILED
+            ) from exc
+
+    async def _finish_agent(self, episode: Episode, run: AgentRun) -> AgentResult:
+        """End the episode after its agent exited (see :meth:`run_agent`) and say how."""
+        spec = self.bundle.manifest.agent
+        assert spec is not None  # check_agent refused the run otherwise
+        last: StepResult[CallToolObservation] | None = None
+        offered = {t.name for t in episode.tools}
+        if spec.finish_tool is not None and spec.finish_tool in offered and not episode.done:
+            last = await self._step(episode, CallToolAction(tool_name=spec.finish_tool))
+        for _ in range(self.bundle.manifest.max_turns):
+            if episode.done:
+                break
+            last = await self._step(episode, CallToolAction(tool_name=END_TURN_TOOL))
+        if not episode.done:  # turns that never end it (max_turns counts from before)
+            async with episode.lock:
+                self.check_live(episode)
+                last = await episode.finish(
+                    END_TURN_TOOL, "the agent's episode is over", limit_s=self.tool_timeout
+                )
+                await self._forget(episode)
+        obs = last.observation if last is not None else None
+        return AgentResult(
+            run=run,
+            status=episode.status,  # type: ignore[arg-type]  # always one of the literals
+            reward=last.reward if last is not None else None,
+            scores=obs.scores if obs is not None else None,
+            grade_error=(obs.grade_error if obs is not None else None) or episode.error,
+            turn=episode.turn,
+            step=episode.steps,
+        )
 
     async def state(self, episode: Episode) -> EpisodeState:
         """The episode's state (the env's under ``env``); one over ``max_state_bytes`` ends

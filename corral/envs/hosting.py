@@ -30,24 +30,44 @@ way to the env, in-process or sandboxed alike.
 
 The runner's environment carries ``CORRAL_MODEL_JAIL`` (:mod:`corral.envs.model_actions`): the
 provider's prefix for the commands an env runs on the model's behalf.
+
+Black-box agents (:meth:`EnvHandle.run_agent`, :mod:`corral.envs.agent_bridge`) run only in a
+sandbox: the in-process handle refuses them (:class:`AgentUnsupported`). A
+:class:`SandboxHost` given the operator's agent CLIs (an npm install, :mod:`corral.envs.agent_clis`)
+binds that folder read-only at :data:`~corral.envs.agent_bridge.AGENT_CLIS_ROOT` and a folder
+of links (``claude``, ``codex``) at :data:`~corral.envs.agent_bridge.AGENT_BIN_ROOT`, first on
+the agent's ``PATH``, in every sandbox of a backend that mounts host folders (bwrap, docker);
+under ``local`` (no isolation) the links point at the host's paths and their folder goes on
+``PATH`` as it is; kubernetes and e2b get neither (only ``command`` agents, which bring their
+own files, run there).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from corral.envs.agent_bridge import (
+    AGENT_BIN_ROOT,
+    AGENT_CLIS_ROOT,
+    AgentPolicy,
+    run_agent,
+)
+from corral.envs.agent_clis import find_agent_clis, write_links
 from corral.envs.bundle import Bundle, TaskDataError
 from corral.envs.episode import END_TURN_TOOL, Env, Task, ToolOutcome
 from corral.envs.model_actions import JAIL_VARIABLE
+from corral.envs.protocol import AgentLaunch, AgentRun
 from corral.sandboxes.base import (
     RUNNER_ROOT,
     Bind,
@@ -79,6 +99,11 @@ class EnvFailure(Exception):
     which and why. The episode cannot go on."""
 
 
+class AgentUnsupported(Exception):
+    """This handle cannot run a black-box agent (its env has no sandbox); nothing was
+    started and the episode goes on."""
+
+
 class EnvHandle(Protocol):
     """One episode's env, wherever it runs. Every method but :meth:`close` may raise
     :class:`EnvFailure`; none is called concurrently with another."""
@@ -92,6 +117,14 @@ class EnvHandle(Protocol):
     async def end_turn(self, arguments: dict[str, Any]) -> ToolOutcome: ...
 
     async def state(self) -> dict[str, Any]: ...
+
+    async def run_agent(self, launch: AgentLaunch) -> AgentRun:
+        """Run a black-box agent in the env's sandbox, in the task's working folder, until it
+        exits or its budget runs out (:func:`corral.envs.agent_bridge.run_agent`). Raises
+        :class:`AgentUnsupported` (no sandbox), :class:`~corral.envs.agent_bridge.AgentRefused`
+        (the launch breaks the server's policy; nothing started) or :class:`EnvFailure` (the
+        sandbox failed under it)."""
+        ...
 
     async def close(self) -> None:
         """Release the env (kill its process, remove its sandbox). Idempotent; never raises;
@@ -175,6 +208,13 @@ class InProcessEnv:
     async def state(self) -> dict[str, Any]:
         return _state(await self._call(self.env.state))
 
+    async def run_agent(self, launch: AgentLaunch) -> AgentRun:
+        """Refused: an agent runs commands, which only a sandbox may hold."""
+        raise AgentUnsupported(
+            "a black-box agent needs a sandbox, and this server runs the env in its own "
+            "process: serve the bundle with --sandbox (bwrap or docker)"
+        )
+
     async def close(self) -> None:
         return None
 
@@ -205,11 +245,16 @@ class SandboxedEnv:
     """An env held by a runner process in a sandbox (protocol in :mod:`corral.envs.runner`)."""
 
     def __init__(
-        self, sandbox: Sandbox, process: SandboxProcess, view: TaskView | None = None
+        self,
+        sandbox: Sandbox,
+        process: SandboxProcess,
+        view: TaskView | None = None,
+        agents: AgentSetup | None = None,
     ) -> None:
         self.sandbox = sandbox
         self.process = process
         self.view = view
+        self.agents = agents
         self.has_end_turn = False
         self._closing: asyncio.Future[None] | None = None
 
@@ -259,6 +304,26 @@ class SandboxedEnv:
     async def state(self) -> dict[str, Any]:
         return _state(await self.request("state"))
 
+    async def run_agent(self, launch: AgentLaunch) -> AgentRun:
+        """The agent in this env's sandbox, as the host's :class:`AgentSetup` says; a
+        sandbox that fails under it is an :class:`EnvFailure`."""
+        if self.agents is None:
+            raise AgentUnsupported("this env's host runs no agents")
+        setup = self.agents
+        try:
+            return await run_agent(
+                self.sandbox,
+                launch,
+                python=setup.python,
+                code_root=setup.code_root,
+                jail=setup.jail,
+                workdir=setup.workdir,
+                policy=setup.policy,
+            )
+        except SandboxError as exc:
+            gone = "" if await self.sandbox.is_alive() else f" (sandbox {self.sandbox.id} is gone)"
+            raise EnvFailure(f"{exc}{gone}") from exc
+
     async def close(self) -> None:
         if self._closing is None:
             self._closing = asyncio.ensure_future(self._teardown())
@@ -273,6 +338,19 @@ class SandboxedEnv:
                 await self.sandbox.close()
             except Exception as exc:  # logged: a sweep removes what a failed close leaves
                 log.warning("closing sandbox %s failed: %s", self.sandbox.id, exc)
+
+
+@dataclass(frozen=True)
+class AgentSetup:
+    """How a sandboxed env's handle runs agents (:func:`corral.envs.agent_bridge.run_agent`'s
+    arguments but the sandbox and the launch): the host's interpreter, payload root and model
+    jail, the task's working folder, and the server's policy."""
+
+    python: str
+    code_root: str
+    jail: tuple[str, ...]
+    workdir: str
+    policy: AgentPolicy
 
 
 def build_payload(bundle: Bundle, into: Path) -> Path:
@@ -309,7 +387,10 @@ class SandboxHost:
     """One sandbox per episode from ``provider`` (module docstring). ``warm``: keep that many
     sandboxes started ahead (a :class:`~corral.sandboxes.pool.WarmPool`). ``python``: the
     interpreter inside; ``upload_root``: where the payload goes in backends without binds.
-    :meth:`open` sweeps what a crashed earlier server left, then fills the pool."""
+    ``agent_clis``: the operator's npm install of the agent CLIs, handed to every sandbox
+    (module docstring; ``ValueError`` when it is not a folder); ``agent_policy``: what agents
+    may do (default :class:`~corral.envs.agent_bridge.AgentPolicy`'s; its ``path_dirs`` are
+    set here). :meth:`open` sweeps what a crashed earlier server left, then fills the pool."""
 
     def __init__(
         self,
@@ -320,6 +401,8 @@ class SandboxHost:
         warm: int = 0,
         python: str = "python3",
         upload_root: str = UPLOAD_ROOT,
+        agent_clis: Path | None = None,
+        agent_policy: AgentPolicy | None = None,
     ) -> None:
         self.bundle = bundle
         self.provider = provider
@@ -329,6 +412,9 @@ class SandboxHost:
             "" if provider.isolated else " (NO isolation)"
         )
         self._tmp = Path(tempfile.mkdtemp(prefix="corral-payload-"))
+        # The links to the agent CLIs: a folder of its own, since the payload's is owner-only
+        # and the model's user (another uid under local as root, or docker) must list it.
+        self._links_tmp: Path | None = None
         self.payload = build_payload(bundle, self._tmp)
         self._files = [p for p in sorted(self.payload.rglob("*")) if p.is_file()]
         if not provider.isolated:
@@ -339,9 +425,59 @@ class SandboxHost:
             self.code_root, self._upload = CODE_ROOT, False
         else:
             self.code_root, self._upload = upload_root, True
+        policy = agent_policy or AgentPolicy()
+        if agent_clis is not None:
+            try:
+                spec, policy = self._hand_over_clis(agent_clis, spec, policy)
+            except BaseException:
+                self._remove_tmp()
+                raise
         self.spec = spec
-        self._jail = json.dumps(list(provider.model_jail(spec)))
+        jail = tuple(provider.model_jail(spec))
+        self._jail = json.dumps(list(jail))
+        self.agents = AgentSetup(
+            python=python, code_root=self.code_root, jail=jail, workdir=spec.workdir, policy=policy
+        )
         self._pool: WarmPool | None = WarmPool(provider, spec, warm) if warm > 0 else None
+
+    def _hand_over_clis(
+        self, folder: Path, spec: SandboxSpec, policy: AgentPolicy
+    ) -> tuple[SandboxSpec, AgentPolicy]:
+        """``spec`` and ``policy`` with the CLIs in ``folder`` reachable by agents (module
+        docstring)."""
+        folder = folder.resolve()
+        clis = find_agent_clis(folder)
+        if not clis.named():
+            log.warning("no agent CLI found in %s: only command agents can run", folder)
+        if not self.provider.isolated:  # the sandbox sees the host's own paths
+            links = write_links(clis, self._links_folder(), str(folder))
+            return spec, dataclasses.replace(policy, path_dirs=(str(links),))
+        if not self.provider.host_binds:
+            log.warning(
+                "sandbox %s mounts no host folder: the agent CLIs in %s are not handed to its "
+                "sandboxes (only command agents can run)",
+                self.provider.name,
+                folder,
+            )
+            return spec, policy
+        links = write_links(clis, self._links_folder(), AGENT_CLIS_ROOT)
+        binds = (
+            Bind(source=folder, target=AGENT_CLIS_ROOT),
+            Bind(source=links, target=AGENT_BIN_ROOT),
+        )
+        spec = spec.model_copy(update={"binds": (*spec.binds, *binds)})
+        return spec, dataclasses.replace(policy, path_dirs=(AGENT_BIN_ROOT,))
+
+    def _links_folder(self) -> Path:
+        """A fresh, not yet existing folder for the links, inside a 0755 temporary folder."""
+        self._links_tmp = Path(tempfile.mkdtemp(prefix="corral-agent-bin-"))
+        os.chmod(self._links_tmp, 0o755)
+        return self._links_tmp / "bin"
+
+    def _remove_tmp(self) -> None:
+        shutil.rmtree(self._tmp, ignore_errors=True)
+        if self._links_tmp is not None:
+            shutil.rmtree(self._links_tmp, ignore_errors=True)
 
     async def open(self) -> None:
         swept = await self.provider.sweep()
@@ -383,7 +519,7 @@ class SandboxHost:
                     JAIL_VARIABLE: self._jail,
                 },
             )
-            env = SandboxedEnv(sandbox, process, self.bundle.env_task)
+            env = SandboxedEnv(sandbox, process, self.bundle.env_task, self.agents)
             started = await env.request("start")
             env.has_end_turn = bool(started.get("end_turn"))
             return env
@@ -396,7 +532,7 @@ class SandboxHost:
     async def aclose(self) -> None:
         if self._pool is not None:
             await self._pool.aclose()
-        shutil.rmtree(self._tmp, ignore_errors=True)
+        self._remove_tmp()
 
 
 async def _close_quietly(sandbox: Sandbox) -> None:

@@ -73,6 +73,10 @@ class Reason(StrEnum):
     STATE_TOO_LARGE = "state_too_large"  # EXECUTION_ERROR: state over max_state_bytes
     BODY_TOO_LARGE = "body_too_large"  # VALIDATION_ERROR: an HTTP body over the server's cap
     CLOSED = "closed"  # SESSION_ERROR: the episode was closed (by a client) before its end
+    NO_AGENT_SUPPORT = "no_agent_support"  # EXECUTION_ERROR: no [agent] section, or no sandbox
+    AGENT_RUNNING = "agent_running"  # EXECUTION_ERROR: an agent plays the episode right now
+    AGENT_REFUSED = "agent_refused"  # VALIDATION_ERROR: the launch breaks the server's policy
+    AGENT_FAILED = "agent_failed"  # EXECUTION_ERROR: the agent's sandbox failed; episode over
 
 
 class ToolErrorType(StrEnum):
@@ -366,7 +370,9 @@ class EpisodeFields(BaseModel):
 
 
 class ResetObservation(_Strict):
-    """After a reset: the task's prompt, the system prompt and its tools (``end_turn`` last)."""
+    """After a reset: the task's prompt, the system prompt and its tools (``end_turn`` last).
+    ``agent_instructions``: the bundle's ``[agent] instructions`` for a black-box agent
+    (corral's extension: serialized only when the bundle has them)."""
 
     prompt: str
     system_prompt: str
@@ -376,6 +382,14 @@ class ResetObservation(_Strict):
     turn: int = 0
     step: int = 0
     status: Status = "running"
+    agent_instructions: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _instructions_when_set(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = dict(handler(self))
+        if data.get("agent_instructions") is None:
+            data.pop("agent_instructions", None)
+        return data
 
     @property
     def text(self) -> str:

@@ -22,6 +22,11 @@ episode's env runs in a sandbox of its own; a call past its deadline kills the s
 episode's sandbox is removed as soon as the episode is graded or closed. The verifier always
 runs in the server's process.
 
+Black-box agents (the ``agent`` frame on ``/ws``, :meth:`EpisodeManager.run_agent`): a launch
+runs in the episode's sandbox (:mod:`corral.envs.agent_bridge`) while the socket goes on being
+served; the reply comes when the agent has exited and the episode is graded. ``build_app``'s
+``agent_*`` options are the server's policy and the operator's agent CLIs.
+
 Shutdown (SIGTERM): :func:`run_server` runs the app with uvicorn and, before uvicorn's own
 graceful shutdown, calls :meth:`EpisodeManager.shutdown`: new resets are refused (resets waiting
 for capacity too), every live socket is closed with 1001 "going away" and a reason, and every
@@ -42,7 +47,7 @@ import contextlib
 import hmac
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -53,6 +58,7 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from corral.envs.agent_bridge import AgentPolicy
 from corral.envs.bundle import Bundle, TaskNotFound, load_bundle
 from corral.envs.episodes import (
     DEFAULT_MAX_CONCURRENT_ENVS,
@@ -98,6 +104,8 @@ from corral.transport import TransportLimits
 POLICY_VIOLATION = 1008
 # How long an authenticated /ws socket may wait before its first reset.
 DEFAULT_FIRST_RESET_TIMEOUT = 120.0
+# The cap on a black-box agent's budget: the bridge's policy default, defined there.
+DEFAULT_AGENT_MAX_TIMEOUT_S = AgentPolicy().max_timeout_s
 # The largest HTTP request body read (``POST /reset``, ``/step``, ``/mcp``): the same bound as
 # a WebSocket message, since the same messages travel either way.
 DEFAULT_MAX_BODY_BYTES = TransportLimits.ws_max_size
@@ -117,8 +125,11 @@ def env_host(
     *,
     image: str | None = None,
     warm: int = 0,
+    agent_clis: Path | None = None,
+    agent_policy: AgentPolicy | None = None,
 ) -> EnvHost:
-    """Where ``bundle``'s envs run (see :func:`build_app`'s ``sandbox``)."""
+    """Where ``bundle``'s envs run (see :func:`build_app`'s ``sandbox`` and agent options;
+    in-process envs run no agents, so these are unused there)."""
     needs = bundle.manifest.sandbox
     if sandbox is None:
         if needs.needs != "none":
@@ -139,7 +150,9 @@ def env_host(
         network=NetworkPolicy(mode=needs.network),
         labels={"corral.bundle": bundle.name},
     )
-    return SandboxHost(bundle, sandbox, spec, warm=warm)
+    return SandboxHost(
+        bundle, sandbox, spec, warm=warm, agent_clis=agent_clis, agent_policy=agent_policy
+    )
 
 
 def build_app(
@@ -156,6 +169,9 @@ def build_app(
     sandbox_image: str | None = None,
     warm_sandboxes: int = 0,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    agent_clis: Path | None = None,
+    agent_gateways: Sequence[str] = (),
+    agent_max_timeout_s: float = DEFAULT_AGENT_MAX_TIMEOUT_S,
 ) -> FastAPI:
     """A FastAPI app serving ``bundle`` (a loaded Bundle or its folder).
 
@@ -186,11 +202,28 @@ def build_app(
     episode in a sandbox of its own, with the bundle's ``[sandbox]`` limits, ``sandbox_image``
     as the image or template, and ``warm_sandboxes`` started ahead. The server sweeps the
     backend's leftovers of dead servers when it starts.
+
+    Black-box agents (the ``agent`` frame on ``/ws``; bundles with an ``[agent]`` section,
+    served in a sandbox): ``agent_gateways`` are the gateway origins (``scheme://host:port``)
+    agents' traffic is bridged to (empty: any loopback origin), ``agent_max_timeout_s`` caps a
+    launch's budget, ``agent_clis`` is the operator's npm install of Claude Code and Codex,
+    handed read-only to every sandbox of a backend that mounts host folders
+    (:class:`~corral.envs.hosting.SandboxHost`; ``ValueError`` when it is not a folder).
     """
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be at least 1, not {max_body_bytes}")
     loaded = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
-    host = env_host(loaded, sandbox, image=sandbox_image, warm=warm_sandboxes)
+    if agent_max_timeout_s <= 0:
+        raise ValueError(f"agent_max_timeout_s must be positive, not {agent_max_timeout_s:g}")
+    policy = AgentPolicy(gateways=tuple(agent_gateways), max_timeout_s=agent_max_timeout_s)
+    host = env_host(
+        loaded,
+        sandbox,
+        image=sandbox_image,
+        warm=warm_sandboxes,
+        agent_clis=agent_clis,
+        agent_policy=policy,
+    )
     metrics = Metrics()
     manager = EpisodeManager(
         loaded,
@@ -428,7 +461,21 @@ def build_app(
                     deadline = first_reset_by
                 if receiving is None:
                     receiving = asyncio.ensure_future(websocket.receive())
-                done, _ = await asyncio.wait({receiving}, timeout=deadline - time.monotonic())
+                # A running agent frame is awaited beside the next frame: its reply may come
+                # first, and the socket is served meanwhile (corral.envs.session).
+                agent = session.agent
+                waits: set[asyncio.Future[Any]] = (
+                    {receiving} if agent is None else {receiving, agent}
+                )
+                done, _ = await asyncio.wait(
+                    waits, timeout=deadline - time.monotonic(), return_when=asyncio.FIRST_COMPLETED
+                )
+                if agent is not None and agent in done:
+                    if websocket.application_state != WebSocketState.CONNECTED:
+                        break
+                    await websocket.send_text(session.agent_reply())
+                    if receiving not in done:
+                        continue
                 if not done:
                     if live:
                         await manager.reap_idle()  # the reaper's own test, without its lag

@@ -4,11 +4,21 @@ Parses each frame (:mod:`corral.envs.protocol`), dispatches it to the socket's e
 (:mod:`corral.envs.episodes`) or to the JSON-RPC handler (:mod:`corral.envs.mcp`) and encodes
 the reply; it never touches the socket itself. No bad frame ends the socket or its episode:
 each gets an ``error`` reply with one of OpenEnv's codes.
+
+An ``agent`` frame (a black-box agent on the socket's episode) runs for as long as the agent's
+budget: :meth:`Session.handle` checks it, starts it as :attr:`Session.agent` and answers
+nothing; the socket's loop awaits that task beside its next frame and sends its reply (an
+``agent`` frame, or the ``error``) when it is done. Meanwhile the socket is served: ``state``
+is answered, ``close`` stops the agent and closes the episode, every other frame is refused
+(EXECUTION_ERROR ``agent_running``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import logging
 from typing import Any
 
 from pydantic import ValidationError
@@ -20,6 +30,8 @@ from corral.envs.protocol import (
     CLIENT_TYPES,
     MAX_FRAME_DEPTH,
     NEW_SHAPE_HINT,
+    AgentMessage,
+    AgentReply,
     CallToolAction,
     ClientMessageT,
     CloseMessage,
@@ -42,6 +54,8 @@ from corral.envs.protocol import (
     quoted,
 )
 
+log = logging.getLogger(__name__)
+
 # corral's step shapes before they were OpenEnv's: refused with a pointer to the new one.
 _OLD_STEP_KEYS = frozenset({"call_tool", "list_tools"})
 
@@ -56,6 +70,20 @@ class Session:
         self.manager = manager
         self.episode: Episode | None = None
         self.rpc = McpHandler(manager)
+        # The running agent frame: its task gives the reply frame's text (module docstring).
+        self.agent: asyncio.Task[str] | None = None
+
+    @property
+    def agent_running(self) -> bool:
+        """An agent frame is in progress: running, or done with its reply not yet sent (so no
+        frame handled in between can replace it)."""
+        return self.agent is not None
+
+    def agent_reply(self) -> str:
+        """The finished agent frame's reply text (the socket's loop sends it); forgets it."""
+        task, self.agent = self.agent, None
+        assert task is not None and task.done()
+        return task.result()
 
     # -- the socket's JSON-RPC session ------------------------------------------------------
 
@@ -163,14 +191,25 @@ class Session:
         try:
             return await self._dispatch(msg)
         except ServerError as exc:
-            reply = error_message(exc.code, str(exc), request_id, reason=exc.reason, **exc.extra)
-            return encode(reply), False
+            return _error(exc, request_id), False
 
     async def _dispatch(self, msg: ClientMessageT) -> tuple[str | None, bool]:
         rid = msg.request_id
         if isinstance(msg, CloseMessage):
             await self.close()
             return None, True
+        if self.agent_running and not isinstance(msg, StateRequest):
+            raise ServerError(
+                ErrorCode.EXECUTION_ERROR,
+                "a black-box agent plays this socket's episode now: only state and close are "
+                "served until its agent reply",
+                Reason.AGENT_RUNNING,
+            )
+        if isinstance(msg, AgentMessage):
+            episode = self._live_episode()
+            self.manager.check_agent(episode)  # refusals answer at once
+            self.agent = asyncio.ensure_future(self._run_agent(episode, msg))
+            return None, False
         if isinstance(msg, McpMessage):
             response = await self.rpc.handle(msg.data, SocketScope(self))
             if response is None:  # a notification: JSON-RPC answers nothing
@@ -197,6 +236,19 @@ class Session:
     def _observation(result: StepResult[Any], rid: RequestId | None) -> str:
         return encode_observation(result, rid)
 
+    async def _run_agent(self, episode: Episode, msg: AgentMessage) -> str:
+        try:
+            result = await self.manager.run_agent(episode, msg.data)
+        except ServerError as exc:
+            return _error(exc, msg.request_id)
+        except Exception as exc:  # a bug, not a refusal: answered, logged, the socket goes on
+            log.exception("the agent run on episode %s failed", episode.id)
+            failure = ServerError(
+                ErrorCode.EXECUTION_ERROR, f"the agent run failed: {type(exc).__name__}: {exc}"
+            )
+            return _error(failure, msg.request_id)
+        return encode(AgentReply(data=result, request_id=msg.request_id))
+
     async def _reset(self, data: ResetData) -> StepResult[Any]:
         task = self.manager.find_task(data)
         await self.close()  # a reset replaces this socket's episode, as in OpenEnv
@@ -215,9 +267,19 @@ class Session:
         return episode
 
     async def close(self) -> None:
+        """Stop a running agent (its sandbox side is killed), then close the episode."""
+        agent, self.agent = self.agent, None
+        if agent is not None and not agent.done():
+            agent.cancel()
+            with contextlib.suppress(asyncio.CancelledError):  # _run_agent raises nothing else
+                await agent
         if self.episode is not None:
             await self.manager.close(self.episode, "closed" if not self.episode.done else None)
             self.episode = None
+
+
+def _error(exc: ServerError, request_id: RequestId | None) -> str:
+    return encode(error_message(exc.code, str(exc), request_id, reason=exc.reason, **exc.extra))
 
 
 class SocketScope:
