@@ -5,7 +5,10 @@
 user's (docs/rollouts.md, "black-box agents over the gateway and MCP"): the agent talks to the model
 through its own gateway session and to the episode's tools through an MCP server
 (:mod:`.mcp_tools`); corral opens and closes everything around it, has the episode graded and
-the reward (or the failure) land on the session.
+the reward (or the failure) land on the session. This agent runs on the host (development
+only; ``corral play`` makes itself non-dumpable first, :func:`make_undumpable`); with
+``--harness`` the agent runs in the episode's own sandbox instead
+(:mod:`corral.adapters.harness_play`).
 
 What the agent is given, in its environment (the rest of the caller's environment is inherited,
 less the env server's token variable and any ``hidden_vars``: the agent reaches the env only
@@ -499,22 +502,57 @@ def cmd_play(args: argparse.Namespace) -> int:
         return code
 
 
-def _play(args: argparse.Namespace) -> int:
-    from rich.progress import Progress
+def make_undumpable() -> bool:
+    """Mark this process non-dumpable (``prctl(PR_SET_DUMPABLE, 0)``), so that a process of
+    another uid, or one of this uid without ``CAP_SYS_PTRACE``, can neither ptrace it nor read
+    its ``/proc/<pid>/environ`` (where the admin and env tokens are): the host-mode agents run
+    beside it. The agents themselves are not affected (``execve`` makes them dumpable again).
+    Returns whether it worked (False off Linux or where prctl is refused)."""
+    import ctypes
+    import ctypes.util
 
-    from corral.cli.checks import probe_gateway, rows_file
+    pr_set_dumpable = 4
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return int(libc.prctl(pr_set_dumpable, 0, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _play(args: argparse.Namespace) -> int:
+    from corral.adapters.harness_play import harness_options
+    from corral.cli.checks import rows_file
     from corral.cli.errors import RunError, UsageError
 
     try:
         admin_token = env_secret(args.admin_token_var or None, "the gateway admin token")
     except SecretMissing as exc:
         raise UsageError(str(exc), f"Export {args.admin_token_var}.") from None
+    options = harness_options(args)
+    if options is None and not args.agent_cmd:
+        raise UsageError("give --agent-cmd (an agent on this host) or --harness")
     try:
         rows = read_rows(rows_file(args.rows), split=args.split, limit=args.limit)
     except RowsError as exc:
         raise UsageError(str(exc), "Pass a file written by `corral rows`.") from None
     if not rows:
         raise RunError(f"no rows selected from {args.rows}")
+    if options is not None:
+        from corral.adapters.harness_play import play_rows_with_harness
+
+        return play_rows_with_harness(args, rows, admin_token, options)
+    make_undumpable()
+    return _play_on_host(args, rows, admin_token)
+
+
+def _play_on_host(args: argparse.Namespace, rows: list[Row], admin_token: str | None) -> int:
+    """Host mode: the agent command runs on this machine (development only: nothing but
+    its environment keeps it from this user's files)."""
+    from rich.progress import Progress
+
+    from corral.cli.checks import probe_gateway
+    from corral.cli.errors import UsageError
+
     hidden = [args.admin_token_var] if args.admin_token_var else []
 
     async def play_all(progress: Progress) -> list[AgentRollout]:
@@ -539,10 +577,16 @@ def _play(args: argparse.Namespace) -> int:
     summary = summarize(rollouts)
     out = Path(args.out)
     _write_outputs(out, rollouts, summary)
-    for rollout in rollouts:
-        if rollout.failed:
-            first_line = (rollout.reason or "").splitlines()[0]
-            print(f"failed {rollout.task_id}: {first_line}", file=sys.stderr)
+    failures = [(r.task_id, r.reason) for r in rollouts if r.failed]
+    return report_play(summary, failures, out)
+
+
+def report_play(summary: Stats, failures: Sequence[tuple[str, str | None]], out: Path) -> int:
+    """Print each failure's first line and the mean reward; ``corral play``'s exit code (1:
+    no episode was scored)."""
+    for task_id, reason in failures:
+        first_line = (reason or "").splitlines()[0] if reason else ""
+        print(f"failed {task_id}: {first_line}", file=sys.stderr)
     if summary.mean is None:
         print(f"no episode scored; {summary.failed} failed (see {out / 'episodes.jsonl'})")
         return 1
@@ -556,24 +600,32 @@ def _play(args: argparse.Namespace) -> int:
 
 def add_play_command(sub: argparse._SubParsersAction) -> None:
     """Add ``corral play`` to the CLI's subcommands."""
+    from corral.adapters.harness_play import add_harness_arguments
+
     play = sub.add_parser(
         "play",
-        help="play rows with a black-box agent (any OpenAI API + MCP program)",
-        description="For each row, opens a gateway session and an episode, serves the "
-        "episode's tools over MCP (streamable HTTP, bearer token), and runs the agent command "
-        "with OPENAI_BASE_URL / OPENAI_API_KEY set to its session and CORRAL_MCP_URL / "
-        "CORRAL_MCP_TOKEN / CORRAL_TASK_PROMPT / CORRAL_SYSTEM_PROMPT / CORRAL_TASK_ID. When "
-        "it exits the episode is ended and graded and the reward lands on the session; an "
-        "agent that times out or exits non-zero, or an env that fails, flags the episode "
-        "failed (never a 0). Writes episodes.jsonl, samples.jsonl and summary.json under "
-        "--out and prints the mean reward over the scored episodes with its standard error. "
-        "Exits 1 when no episode was scored.",
+        help="play rows with a black-box agent: in the episode's sandbox (--harness) or here",
+        description="For each row, opens a gateway session and an episode and lets an agent "
+        "play it. With --harness (claude-code, codex, command) the env server runs the agent "
+        "inside the episode's own sandbox, its traffic bridged to its gateway session, and "
+        "grades the workspace it leaves; the agent's transcripts go to OUT/transcripts/. "
+        "Without it, --agent-cmd runs on THIS host (development only): it gets "
+        "OPENAI_BASE_URL / OPENAI_API_KEY set to its session and CORRAL_MCP_URL / "
+        "CORRAL_MCP_TOKEN (the episode's tools over MCP) / CORRAL_TASK_PROMPT / "
+        "CORRAL_SYSTEM_PROMPT / CORRAL_TASK_ID. When it exits the episode is ended and graded "
+        "and the reward lands on the session; an agent that times out or exits non-zero, or "
+        "an env that fails, flags the episode failed (never a 0). Writes episodes.jsonl, "
+        "samples.jsonl and summary.json under --out and prints the mean reward over the "
+        "scored episodes with its standard error. Exits 1 when no episode was scored.",
     )
     play.add_argument("rows", help="a rows file (JSONL written by `corral rows`)")
     play.add_argument("--gateway", required=True, help="the gateway URL")
     play.add_argument(
-        "--agent-cmd", required=True, help='the agent command, e.g. "python examples/agent.py"'
+        "--agent-cmd",
+        help='the agent command, e.g. "python examples/agent.py": on this host, or with '
+        "--harness command in the sandbox",
     )
+    add_harness_arguments(play, agent_cmd=False, timeout=False)
     play.add_argument(
         "--admin-token-var",
         metavar="NAME",

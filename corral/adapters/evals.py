@@ -7,6 +7,12 @@ averaged in as 0), the share graded exactly 0, and the same per group when the b
 ``[eval] group_by`` path into its tasks' data (gridsim: the battery size). :func:`write_eval`
 writes every episode (messages, tool calls, scores, failure reason) to ``episodes.jsonl`` and
 the report to ``summary.json``.
+
+With a :class:`~corral.adapters.harness_play.HarnessPlayer` instead (``eval_rows(...,
+harness=...)``, ``corral eval --harness``) a black-box agent plays each episode in its
+sandbox; each record then carries the agent's run (``agent``: exit, timings) and
+:func:`write_eval` writes its transcript to ``transcripts/<n>.jsonl`` (``n``: the record's line
+in ``episodes.jsonl``, from 0).
 """
 
 from __future__ import annotations
@@ -21,9 +27,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from corral.adapters.gateway_admin import GatewayAdmin
+from corral.adapters.harness_play import (
+    HarnessOptions,
+    HarnessPlayer,
+    HarnessRollout,
+    agent_summary,
+)
 from corral.adapters.player import Player, Rollout
 from corral.adapters.rows import Row
 
@@ -83,6 +95,10 @@ class EpisodeRecord(BaseModel):
     model_s: float
     tools_s: float
     total_s: float
+    # A harness's rollout: the agent's run (corral.adapters.harness_play.agent_summary), and
+    # its transcript, written to a file of its own rather than into the line.
+    agent: dict[str, Any] | None = None
+    transcript: str | None = Field(default=None, exclude=True)
 
     @classmethod
     def of(cls, rollout: Rollout, attempt: int, group: str | None) -> EpisodeRecord:
@@ -104,6 +120,12 @@ class EpisodeRecord(BaseModel):
             model_s=rollout.timing.model_s,
             tools_s=rollout.timing.tools_s,
             total_s=rollout.timing.total_s,
+            agent=agent_summary(rollout),
+            transcript=(
+                rollout.transcript
+                if isinstance(rollout, HarnessRollout) and rollout.run is not None
+                else None
+            ),
         )
 
 
@@ -143,7 +165,7 @@ def task_groups(rows: list[Row], token: str | None = None) -> tuple[str | None, 
 
 async def run_eval(
     rows: list[Row],
-    player: Player,
+    player: Player | HarnessPlayer,
     *,
     n: int = 1,
     concurrency: int = 8,
@@ -209,11 +231,16 @@ def report_table(report: EvalReport, title: str) -> Table:
 
 
 def write_eval(report: EvalReport, out: Path) -> None:
-    """``episodes.jsonl`` (one line per episode) and ``summary.json`` (the rest) in ``out``."""
+    """``episodes.jsonl`` (one line per episode), ``summary.json`` (the rest) and, for a
+    harness's episodes, ``transcripts/<n>.jsonl`` in ``out``."""
+    from corral.adapters.harness_play import write_transcript
+
     out.mkdir(parents=True, exist_ok=True)
     with (out / "episodes.jsonl").open("w") as f:
-        for record in report.episodes:
+        for number, record in enumerate(report.episodes):
             f.write(record.model_dump_json() + "\n")
+            if record.transcript is not None:
+                write_transcript(out / "transcripts", number, record.transcript)
     summary = report.model_dump(exclude={"episodes"})
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
@@ -228,21 +255,27 @@ async def eval_rows(
     concurrency: int = 8,
     sampling: dict[str, Any] | None = None,
     on_episode: Callable[[EpisodeRecord], None] | None = None,
+    harness: HarnessOptions | None = None,
 ) -> EvalReport:
     """:func:`run_eval` against the gateway at ``gateway_url``, with the bundle's grouping.
     ``env_token``: the env servers' token, for their task API (episodes look it up through the
-    rows' token variable)."""
+    rows' token variable). ``harness``: play with a
+    :class:`~corral.adapters.harness_play.HarnessPlayer` (an agent in each episode's sandbox)
+    instead of the episode player."""
     group_by, groups = await asyncio.to_thread(task_groups, rows, env_token)
-    async with (
-        GatewayAdmin(gateway_url, admin_token) as admin,
-        Player(admin, sampling=sampling) as player,
-    ):
-        return await run_eval(
-            rows,
-            player,
-            n=n,
-            concurrency=concurrency,
-            groups=groups,
-            group_by=group_by,
-            on_episode=on_episode,
+    async with GatewayAdmin(gateway_url, admin_token) as admin:
+        player: Player | HarnessPlayer = (
+            Player(admin, sampling=sampling)
+            if harness is None
+            else HarnessPlayer.of(admin, harness, sampling=sampling)
         )
+        async with player:
+            return await run_eval(
+                rows,
+                player,
+                n=n,
+                concurrency=concurrency,
+                groups=groups,
+                group_by=group_by,
+                on_episode=on_episode,
+            )

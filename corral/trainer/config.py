@@ -210,6 +210,49 @@ class RaySettings(_Section):
     env_servers: int = Field(default=1, ge=1)
 
 
+class AgentSettings(_Section):
+    """Rollouts played by a black-box agent inside each episode's sandbox (corral's harnesses:
+    ``claude-code``, ``codex``, ``command``) instead of the episode player. ``agent_cmd`` and
+    ``agent_dir``: the ``command`` harness's shell command and the folder of its files;
+    ``settings``: the harness's own (``corral harness list``; Claude Code's ``max_turns``, the
+    CLIs' ``max_retries``).
+    ``timeout_s``: each agent's budget (past it the rollout fails). ``model``: the model name
+    the agent asks its gateway session for. When this run serves the bundle, its env server
+    runs episodes in ``sandbox`` sandboxes (None: ``[env] sandbox``), hands them the agent
+    CLIs in ``clis`` (an npm install, ``scripts/agent_clis.sh DIR``; None: ``$CORRAL_AGENT_CLIS``
+    when set) and bridges agents to this run's gateway. ``sandbox_gateway``: the gateway's
+    origin as the env server reaches it (None: the gateway's own URL); needed when
+    ``[env] url`` names a server on another machine."""
+
+    harness: Literal["claude-code", "codex", "command"]
+    agent_cmd: str | None = None
+    agent_dir: Path | None = None
+    settings: dict[str, Any] = Field(default_factory=dict)
+    timeout_s: float = Field(default=600.0, gt=0)
+    model: str = Field(default="corral", min_length=1)
+    sandbox: str | None = None
+    clis: Path | None = None
+    sandbox_gateway: str | None = None
+
+    @model_validator(mode="after")
+    def _command_options(self) -> AgentSettings:
+        if self.harness == "command" and not (self.agent_cmd or "").strip():
+            raise ValueError('[agent] harness = "command" needs agent_cmd')
+        if self.harness != "command" and (self.agent_cmd is not None or self.agent_dir):
+            raise ValueError(
+                f'[agent] agent_cmd and agent_dir go with harness = "command", not "{self.harness}"'
+            )
+        from corral.harnesses import HARNESSES, settings_of
+
+        known = set(settings_of(HARNESSES[self.harness])) - {"command", "agent_dir"}
+        if unknown := sorted(set(self.settings) - known):
+            raise ValueError(
+                f"[agent] settings: {', '.join(unknown)} not among {self.harness}'s "
+                f"({', '.join(sorted(known)) or 'none'})"
+            )
+        return self
+
+
 class TrainConfig(_Section):
     """A whole run (module docstring). ``run_dir`` holds metrics, checkpoints and evals; a run
     whose folder has a checkpoint resumes from it."""
@@ -225,6 +268,18 @@ class TrainConfig(_Section):
     schedule: ScheduleSettings = ScheduleSettings()
     tensorboard: bool = True
     ray: RaySettings = RaySettings()
+    agent: AgentSettings | None = None
+
+    @model_validator(mode="after")
+    def _agents_here(self) -> TrainConfig:
+        if self.agent is not None and self.ray.address is not None:
+            # Ray's rollout workers play with the episode player only.
+            raise ValueError("[agent] does not go with [ray] address (yet)")
+        agent, env = self.agent, self.env
+        unsandboxed = env.sandbox is None and agent is not None and agent.sandbox is None
+        if unsandboxed and env.url is None:  # an env in this process runs no agents
+            raise ValueError("[agent] needs a sandbox: set [agent] sandbox or [env] sandbox")
+        return self
 
 
 C = TypeVar("C", bound=BaseModel)

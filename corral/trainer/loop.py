@@ -44,6 +44,7 @@ import torch
 
 from corral.adapters.evals import EvalReport, run_eval, write_eval
 from corral.adapters.gateway_admin import GatewayAdmin
+from corral.adapters.harness_play import HarnessPlayer
 from corral.adapters.player import Player, Rollout
 from corral.adapters.rows import Row
 from corral.trainer.checkpoint import (
@@ -211,8 +212,8 @@ class Trainer:
         with MetricsWriter(self.run_dir, tensorboard=cfg.tensorboard, resume_step=step) as out:
             async with (
                 GatewayAdmin(svc.gateway, svc.admin_token) as admin,
-                Player(admin, sampling=cfg.rollout.sampling()) as player,
-                Player(admin, sampling=eval_sampling) as eval_player,
+                self._player(admin, cfg.rollout.sampling()) as player,
+                self._player(admin, eval_sampling) as eval_player,
             ):
                 draw: GroupDraw | RayGroupDraw
                 if svc.rollout_workers:
@@ -311,6 +312,29 @@ class Trainer:
 
     # -- pieces ------------------------------------------------------------------------------
 
+    def _player(self, admin: GatewayAdmin, sampling: dict[str, Any]) -> Player | HarnessPlayer:
+        """The episode player, or with ``[agent]`` a harness's player (the agent plays each
+        rollout in its episode's sandbox)."""
+        agent = self.config.agent
+        if agent is None:
+            return Player(admin, sampling=sampling)
+        from corral.adapters.harness_play import make_harness
+
+        harness = make_harness(
+            agent.harness,
+            agent_cmd=agent.agent_cmd,
+            agent_dir=agent.agent_dir,
+            settings=agent.settings,
+        )
+        return HarnessPlayer(
+            admin,
+            harness,
+            timeout_s=agent.timeout_s,
+            model=agent.model,
+            sandbox_gateway=agent.sandbox_gateway,
+            sampling=sampling,
+        )
+
     def _count_rollout(self, _: Rollout) -> None:
         self._rollouts_done += 1
         if self.progress is not None:
@@ -333,7 +357,7 @@ class Trainer:
         return _Fill(task, start)
 
     async def _evaluate(
-        self, player: Player, step: int, version: str, out: MetricsWriter
+        self, player: Player | HarnessPlayer, step: int, version: str, out: MetricsWriter
     ) -> EvalReport:
         svc, cfg = self.services, self.config
         assert svc is not None
@@ -526,6 +550,7 @@ def _rollout_metrics(filled: FilledBatch, played: list[Rollout]) -> dict[str, fl
         "reward/zero_share": sum(r == 0.0 for r in rewards) / len(rewards) if rewards else math.nan,
         "rollouts": len(kept),
         "rollouts_played": len(played),
+        "rollouts_failed": sum(r.failed for r in played),
         "groups": len(filled.groups),
         "samples": len(samples),
         "samples_per_rollout": len(samples) / len(kept) if kept else math.nan,

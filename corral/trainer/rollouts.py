@@ -4,6 +4,9 @@
 the ``draw`` that :func:`~corral.trainer.groups.fill_batch` calls: for each of ``n`` rows it plays
 ``rollouts_per_row`` rollouts through the gateway (at most ``concurrency`` at once), each with
 the row's own ``group_index``, and returns one :class:`~corral.trainer.groups.Group` per row.
+The player may be a :class:`~corral.adapters.harness_play.HarnessPlayer` (``[agent]``: a
+black-box agent plays each rollout in its episode's sandbox); its rollouts are counted,
+filtered and trained on like the episode player's.
 A row that cannot be played at all (:class:`~corral.adapters.player.PlayerError`: a
 configuration problem) stops the draw; failed rollouts come back flagged, and the filter drops
 their groups.
@@ -17,6 +20,7 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
+from corral.adapters.harness_play import HarnessPlayer
 from corral.adapters.player import Player, Rollout
 from corral.adapters.rows import Row
 from corral.trainer.groups import Group
@@ -71,7 +75,7 @@ class GroupDraw:
 
     def __init__(
         self,
-        player: Player,
+        player: Player | HarnessPlayer,
         rows: RowSampler[Row],
         *,
         rollouts_per_row: int,

@@ -13,20 +13,27 @@
   that server. Either way the rows are written from the server's task API into ``<run>/rows``
   and read back per split. A server started here admits at least ``rollout.concurrency``
   episodes at once.
+- with ``[agent]``: a server started here runs its episodes in ``[agent] sandbox`` sandboxes
+  (else ``[env] sandbox``), is handed the agent CLIs (``[agent] clis``, else
+  ``$CORRAL_AGENT_CLIS``), allows agents' traffic to this run's gateway and admits their
+  budget (``[agent] timeout_s``).
 
 Everything started here stops when the block exits.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from corral.adapters.evals import task_groups
 from corral.adapters.rows import RowSettings, read_rows, write_rows
 from corral.env_secrets import SecretMissing, env_secret
-from corral.trainer.config import SftConfig, TrainConfig
+from corral.trainer.config import AgentSettings, SftConfig, TrainConfig
 from corral.trainer.loop import Services
 from corral.trainer.weights import DiskWeightSync, InProcessWeightSync, WeightSync
 
@@ -59,6 +66,54 @@ def _token(var: str | None, what: str) -> str | None:
         return env_secret(var, what)
     except SecretMissing as exc:
         raise ServicesError(str(exc)) from None
+
+
+# Where the agent CLIs are when [agent] clis is not set (what `corral serve` reads too).
+AGENT_CLIS_VARIABLE = "CORRAL_AGENT_CLIS"
+
+
+@dataclass(frozen=True)
+class AgentServing:
+    """What an env server started by this run needs for ``[agent]``: the sandbox backend,
+    the agent CLIs folder (``None``: only ``command`` agents run), the gateway origin agents
+    are bridged to and the longest budget a launch may ask for."""
+
+    sandbox: str | None
+    clis: Path | None
+    gateway: str
+    max_timeout_s: float
+
+    def serve_flags(self) -> list[str]:
+        """The same as ``corral serve`` flags."""
+        flags = ["--agent-gateway", self.gateway, "--agent-max-timeout", str(self.max_timeout_s)]
+        if self.clis is not None:
+            flags += ["--agent-clis", str(self.clis)]
+        return flags
+
+
+def agent_serving(agent: AgentSettings, sandbox: str | None, gateway: str) -> AgentServing:
+    """:class:`AgentServing` for ``[agent]`` with ``[env] sandbox`` ``sandbox`` and this
+    run's ``gateway`` URL (``[agent] sandbox_gateway`` when set: the origin the env server
+    reaches it at). ServicesError for a CLIs folder that does not exist."""
+    from corral.adapters.harness_play import origin
+    from corral.envs.agent_bridge import AgentPolicy
+
+    clis_text = agent.clis or os.environ.get(AGENT_CLIS_VARIABLE) or None
+    clis = Path(clis_text) if clis_text is not None else None
+    if clis is not None and not clis.is_dir():
+        raise ServicesError(f"[agent] clis: {clis} is not a folder (scripts/agent_clis.sh DIR)")
+    if clis is None and agent.harness != "command":
+        raise ServicesError(
+            f"[agent] harness {agent.harness!r} needs the agent CLIs: set [agent] clis or "
+            f"${AGENT_CLIS_VARIABLE} (bash scripts/agent_clis.sh DIR installs them)"
+        )
+    return AgentServing(
+        sandbox=agent.sandbox or sandbox,
+        clis=clis,
+        gateway=origin(agent.sandbox_gateway or gateway),
+        # The server's cap must admit the budget this run's launches ask for.
+        max_timeout_s=max(AgentPolicy().max_timeout_s, agent.timeout_s),
+    )
 
 
 @contextmanager
@@ -130,6 +185,8 @@ def run_services(config: TrainConfig) -> Iterator[Services]:
 
         env = config.env
         env_token = _token(env.token_var, "[env] token_var")
+        agents = None if config.agent is None else agent_serving(config.agent, env.sandbox, gateway)
+        sandbox = env.sandbox if agents is None else agents.sandbox
         env_urls: list[str] = []
         # At least the server's default; more with more rollouts in flight (an episode holds
         # its slot while the model thinks, so a smaller cap throttles the whole step).
@@ -139,12 +196,15 @@ def run_services(config: TrainConfig) -> Iterator[Services]:
         elif env.processes:
             argv = ["serve", str(env.bundle), "--tool-timeout", str(env.tool_timeout)]
             argv += ["--max-concurrent-envs", str(capacity)]
-            if env.sandbox is not None:
-                argv += ["--sandbox", env.sandbox]
+            if sandbox is not None:
+                argv += ["--sandbox", sandbox]
             if env.token_var is not None:
                 argv += ["--token-var", env.token_var]
+            if agents is not None:
+                argv += agents.serve_flags()
             env_url = stack.enter_context(serve_in_process(argv, log=logs / "env.log"))
         elif on_ray:
+            # [agent] does not go with [ray] (the config refuses it): these serve no agents.
             from corral.trainer.ray_cluster import start_env_servers
 
             servers = start_env_servers(
@@ -160,12 +220,22 @@ def run_services(config: TrainConfig) -> Iterator[Services]:
             env_urls = [server.url for server in servers]
             env_url = env_urls[0]
         else:
+            agent_options: dict[str, Any] = (
+                {}
+                if agents is None
+                else {
+                    "agent_clis": agents.clis,
+                    "agent_gateways": [agents.gateway],
+                    "agent_max_timeout_s": agents.max_timeout_s,
+                }
+            )
             app = build_app(
                 env.bundle,
                 token=env_token,
                 tool_timeout=env.tool_timeout,
-                sandbox=env.sandbox,
+                sandbox=sandbox,
                 max_concurrent_envs=capacity,
+                **agent_options,
             )
             env_url = stack.enter_context(serve_in_thread(app))
         rows_dir = config.run_dir / "rows"
