@@ -653,7 +653,9 @@ def test_play_command_parses_its_arguments() -> None:
     assert (args.split, args.limit, args.concurrency, args.timeout) == (None, None, 4, 600.0)
     assert args.func is cmd_play
     with pytest.raises(SystemExit):
-        parser.parse_args(["play", "rows.jsonl", "--gateway", "http://g"])  # no --agent-cmd
+        parser.parse_args(["play", "rows.jsonl"])  # no --gateway
+    with pytest.raises(SystemExit):
+        parser.parse_args(["play", "rows.jsonl", "--gateway", "http://g", "--harness", "nope"])
 
 
 def test_play_command_writes_episodes_and_prints_the_mean_reward(

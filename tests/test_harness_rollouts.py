@@ -207,6 +207,27 @@ async def test_a_server_that_runs_no_agent_fails_the_rollout(gateway: ScriptedSt
     assert gateway.engine.requests == []
 
 
+async def test_a_gateway_without_an_admin_token_is_refused(tiny_model_dir: Path) -> None:
+    """A gateway whose admin routes are open would let the agent set its own reward through
+    its session's URL: the player refuses it before any session or episode is opened (the
+    gateway's engine is never reached: it need not exist; nor the row's env server).
+    Control: the scripted gateways of the other tests have a token and pass the same check."""
+    from corral.adapters.player import PlayerError
+    from corral.gateway.server import create_gateway
+    from corral.serving import free_port, serve_in_thread
+
+    dead_engine = f"http://127.0.0.1:{free_port()}"
+    with serve_in_thread(create_gateway(dead_engine, tiny_model_dir)) as open_url:
+        async with (
+            GatewayAdmin(open_url) as admin,
+            HarnessPlayer(admin, make_harness("command", agent_cmd="true"), timeout_s=5) as player,
+        ):
+            assert not await admin.admin_needs_token()
+            row, _ = shellcraft_row("http://127.0.0.1:9")  # never reached
+            with pytest.raises(PlayerError, match="without a token"):
+                await player.play(row)
+
+
 def test_harness_flags() -> None:
     from corral.cli.errors import UsageError
 

@@ -81,6 +81,19 @@ class GatewayAdmin:
         except ValueError as exc:
             raise GatewayAdminError(f"{method} {path}: the answer is not JSON: {exc}") from exc
 
+    async def admin_needs_token(self) -> bool:
+        """Whether the gateway refuses an admin call that carries no token (one request, with
+        no Authorization header, for a session that does not exist): ``False`` means anyone
+        who reaches it, a session's own agent included, may set rewards or delete sessions.
+        :class:`GatewayAdminError` when it cannot be reached."""
+        url = f"{self.url}/sessions/corral-admin-probe"
+        try:
+            async with self._http().get(url, headers={"Authorization": ""}) as answer:
+                return answer.status == 401
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            why = str(exc) or type(exc).__name__
+            raise GatewayAdminError(f"the gateway at {self.url} is unreachable: {why}") from exc
+
     async def open_session(
         self,
         *,

@@ -153,6 +153,7 @@ class HarnessPlayer:
         self.sandbox_gateway = origin(sandbox_gateway or gateway.url)
         self.sampling = dict(sampling or {})
         self.env = env if env is not None else os.environ
+        self._guarded: asyncio.Task[None] | None = None
 
     @classmethod
     def of(
@@ -183,6 +184,26 @@ class HarnessPlayer:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
+    async def _guard(self) -> None:
+        """Refuse a gateway that takes admin calls without a token: through its session's
+        URL the agent reaches the gateway's admin routes too, and could set its own reward.
+        Checked once, before the first rollout."""
+        if self._guarded is None:
+            self._guarded = asyncio.ensure_future(self._check_admin())
+        await asyncio.shield(self._guarded)
+
+    async def _check_admin(self) -> None:
+        try:
+            closed = await self.gateway.admin_needs_token()
+        except GatewayAdminError as exc:
+            raise PlayerError(str(exc)) from exc
+        if not closed:
+            raise PlayerError(
+                f"the gateway at {self.gateway.url} takes admin calls without a token: an agent "
+                "could set its own reward through its session's URL. Start it with an admin "
+                "token (corral gateway --admin-token-var NAME) and pass the same variable here"
+            )
+
     def _token(self, row: Row) -> str | None:
         try:
             return env_secret(row.metadata.env.token_var, "the row's env server token", self.env)
@@ -207,6 +228,7 @@ class HarnessPlayer:
         except ValueError as exc:
             raise PlayerError(f"not a corral row: {exc}") from exc
         token = self._token(row)
+        await self._guard()
         meta, ref = row.metadata, row.metadata.env
         tags = {"task_id": meta.task_id, "split": meta.split, "index": meta.index}
         client = EnvClient(

@@ -388,8 +388,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
     from corral.adapters.evals import report_table, write_eval
+    from corral.adapters.harness_play import harness_options
     from corral.console import make_console, print_table
 
+    harness = harness_options(args)
     rows = read_rows(Path(args.rows), args.split or None, args.limit)
     admin = token_from_env(args.admin_token_var, "--admin-token-var")
     env_token = token_from_env(rows[0].metadata.env.token_var, "the rows' env token")
@@ -399,7 +401,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     with Progress(console=console) as progress:
         bar = progress.add_task("episodes", total=len(rows) * args.n)
         report = asyncio.run(
-            _eval(args, rows, admin, env_token, sampling, lambda _: progress.advance(bar))
+            _eval(args, rows, admin, env_token, sampling, lambda _: progress.advance(bar), harness)
         )
     out = Path(args.out)
     write_eval(report, out)
@@ -423,6 +425,7 @@ async def _eval(
     env_token: str | None,
     sampling: dict[str, Any] | None,
     on_episode: Any,
+    harness: Any = None,
 ) -> Any:
     """:func:`~corral.adapters.evals.eval_rows`, its failures as CliErrors: the gateway's
     (unreachable, token refused), the env server's, a row's."""
@@ -442,6 +445,7 @@ async def _eval(
             concurrency=args.concurrency,
             sampling=sampling,
             on_episode=on_episode,
+            harness=harness,
         )
     except (PlayerError, httpx.HTTPError, ExceptionGroup) as exc:
         if (refused := first_of(exc, GatewayAdminError)) is not None:
@@ -756,6 +760,9 @@ def _add_eval(sub: Any) -> None:
     ev.add_argument("--concurrency", type=int, default=8, help="episodes at once")
     ev.add_argument("--temperature", type=float, help="override the sampling temperature")
     ev.add_argument("--out", default=".corral/eval", help="where episodes and summary go")
+    from corral.adapters.harness_play import add_harness_arguments
+
+    add_harness_arguments(ev)
     ev.set_defaults(func=cmd_eval)
 
 

@@ -9,7 +9,8 @@ before the first update is step 0, a line of its own with ``kind = "eval"``).
 Keys, by group:
 
 - rollouts: ``reward/mean``, ``reward/std`` (over the kept rollouts), ``reward/zero_share``,
-  ``rollouts`` (kept), ``rollouts_played`` (dropped groups' too), ``groups``, ``samples``,
+  ``rollouts`` (kept), ``rollouts_played`` (dropped groups' too), ``rollouts_failed`` (played
+  and flagged failed: a timed-out or crashed agent, an env failure), ``groups``, ``samples``,
   ``samples_per_rollout``, ``response_tokens/mean``;
 - the group filter: ``dropped/failed_rollout``, ``dropped/aborted_rollout``,
   ``dropped/all_equal``, ``draws``, ``surplus_groups``;
@@ -41,6 +42,7 @@ STEP_KEYS: tuple[str, ...] = (
     "reward/zero_share",
     "rollouts",
     "rollouts_played",
+    "rollouts_failed",
     "groups",
     "samples",
     "samples_per_rollout",

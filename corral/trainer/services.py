@@ -24,6 +24,7 @@ Everything started here stops when the block exits.
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -36,6 +37,11 @@ from corral.env_secrets import SecretMissing, env_secret
 from corral.trainer.config import AgentSettings, SftConfig, TrainConfig
 from corral.trainer.loop import Services
 from corral.trainer.weights import DiskWeightSync, InProcessWeightSync, WeightSync
+
+# The gateway a run starts for itself gets a fresh admin token (in this variable of its
+# process): the agents a run plays reach the gateway through their sessions' URLs, and an open
+# admin route would let one set its own reward.
+OWN_GATEWAY_TOKEN_VAR = "CORRAL_RUN_GATEWAY_ADMIN"
 
 
 class ServicesError(RuntimeError):
@@ -147,28 +153,35 @@ def run_services(config: TrainConfig) -> Iterator[Services]:
                     log=logs / "engine.log",
                 )
             )
+            own_token = secrets.token_urlsafe(32)
+            admin_token: str | None = own_token
             gateway = stack.enter_context(
                 serve_in_process(
-                    ["gateway", "--engine-url", engine_url, "--model", str(path)],
+                    [
+                        *("gateway", "--engine-url", engine_url, "--model", str(path)),
+                        *("--admin-token-var", OWN_GATEWAY_TOKEN_VAR),
+                    ],
                     host=host,
                     log=logs / "gateway.log",
+                    env={OWN_GATEWAY_TOKEN_VAR: own_token},
                 )
             )
-            admin_token = None
             weight_sync = DiskWeightSync(
                 [engine_url], config.run_dir / "weights", tokenizer_from=path
             )
         elif config.engine.url is None:
+            admin_token = secrets.token_urlsafe(32)
             urls = stack.enter_context(
                 local_stack(
                     path,
                     device=config.model.device,
+                    admin_token=admin_token,
                     gateway_host=_gateway_host(on_ray),
                     max_batch_size=config.engine.max_batch_size,
                 )
             )
             assert urls.local_engine is not None
-            gateway, admin_token = urls.gateway, None
+            gateway = urls.gateway
             weight_sync = InProcessWeightSync(urls.local_engine)
         else:
             assert config.engine.gateway is not None  # the config checks both or neither
