@@ -499,26 +499,16 @@ def loopback_shellcraft(root: Path) -> Path:
     return copy
 
 
-LOOPBACK_HOLE = (
-    "bwrap's loopback policy shares the host's network namespace and agents are run under it: "
-    "the agent reaches the host's loopback services (the gateway, the env server) directly"
-)
-
-
 async def test_a_loopback_bundle_gives_an_agent_no_way_around_the_bridge(
     sandbox: SandboxProvider,
     gateway: ScriptedStack,
     planted: Secrets,
     tmp_path: Path,
-    request: pytest.FixtureRequest,
 ) -> None:
     """A bundle whose sandbox has ``network = "loopback"``: either the episode or its agent is
     refused, or the agent still finds no way out. Docker refuses the sandbox (no host network
-    unless its provider allows it); bwrap shares the host's network namespace and runs the
-    agent there (strict xfail: the hole, until agents are refused there)."""
-    if sandbox.name == "bwrap":
-        hole = pytest.mark.xfail(reason=LOOPBACK_HOLE, strict=True, raises=AssertionError)
-        request.applymarker(hole)
+    unless its provider allows it); bwrap would share the host's network namespace, where the
+    agent could reach every host port past its bridge: the server refuses the agent there."""
     bundle = load_bundle(loopback_shellcraft(tmp_path))
     canary = tmp_path / "host-canary.txt"
     canary.write_text("canary " + secrets.token_hex(8))
@@ -533,7 +523,11 @@ async def test_a_loopback_bundle_gives_an_agent_no_way_around_the_bridge(
             # agent in it.
             refused_here = refusal.reason in ("agent_refused", "no_agent_support")
             assert refused_here or refusal.code == "FACTORY_ERROR", refusal
+            if sandbox.name == "bwrap":
+                assert refusal.reason == "no_agent_support", refusal
+                assert "past its bridge" in str(refusal), refusal
             return
+        assert sandbox.name != "bwrap", "bwrap ran an agent in the host's network namespace"
     check_findings(found, sandbox.name)
 
 

@@ -5,16 +5,12 @@ The real runs materialize a launch the way the sandbox side does (:func:`materia
 gateway placeholder becomes the gateway's origin, the files are written under the agent's
 HOME and ``CORRAL_AGENT_DIR``, and the agent runs as the unprivileged user in a workspace with
 exactly the launch's environment plus HOME, TMPDIR, PATH and CORRAL_AGENT_DIR. The folders are
-the real ``AGENT_ROOT`` paths under /tmp when nothing else holds them (else a scratch folder
-whose path replaces ``AGENT_ROOT`` in the launch). The gateway is real, in front of the
-scripted engine of ``tests/test_agent_clis.py`` (whose helpers these tests import): one tool
-call that writes ``out.txt``, then a final text; so each run shows that the launch's argv,
-environment and files make the agent call the tool and answer, and the sample is checked
-token for token.
-
-``install_clis`` is driven with stand-in ``npm`` scripts (the real one needs the npm
-registry, out of reach here), said where they are used.
-"""
+in a scratch folder whose path replaces ``AGENT_ROOT`` in the launch (the real one, under /tmp,
+is where tests/test_harness_rollouts.py runs the CLIs, inside sandboxes). The gateway is real,
+in front of the scripted engine of ``tests/test_agent_clis.py`` (whose helpers these tests
+import): one tool call that writes ``out.txt``, then a final text; so each run shows that the
+launch's argv, environment and files make the agent call the tool and answer, and the sample
+is checked token for token."""
 
 from __future__ import annotations
 
@@ -22,9 +18,7 @@ import base64
 import json
 import os
 import re
-import shutil
 import tomllib
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -505,20 +499,13 @@ def test_harness_list_and_install_commands(
 
 
 @pytest.fixture
-def agent_root(agent: real.Agent) -> Iterator[Path]:
-    """The agent's folders (home, tmp, agent) at the real ``AGENT_ROOT`` when it is free, else
-    in the scratch folder (the launch's ``AGENT_ROOT`` paths are then rewritten to it)."""
-    try:
-        os.mkdir(AGENT_ROOT, 0o755)
-    except FileExistsError:
-        root = agent.home.parent / "agent-root"
-        root.mkdir()
-        yield root
-        return
-    try:
-        yield Path(AGENT_ROOT)
-    finally:
-        shutil.rmtree(AGENT_ROOT, ignore_errors=True)
+def agent_root(agent: real.Agent) -> Path:
+    """The agent's folders (home, tmp, agent) in the scratch folder: the launch's
+    ``AGENT_ROOT`` paths are rewritten to it (never the host's own ``AGENT_ROOT``, which a
+    local-backend agent of another test may need, and a killed test would leave behind)."""
+    root = agent.home.parent / "agent-root"
+    root.mkdir()
+    return root
 
 
 def materialize(

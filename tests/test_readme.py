@@ -120,13 +120,15 @@ def test_snippets_parse_and_every_skip_says_why() -> None:
     assert len(run) >= 6, "the Quick start's snippets were not found"
     assert any(s.lang == "python" for s in run)
     skipped = [s for s in snippets if s.skip_reason is not None]
-    # Not run here: the two commands (what CI itself runs) and the engines this machine's
-    # tests run elsewhere (vLLM, the routers; SGLang needs a GPU).
-    assert len(skipped) == 2, [s.line for s in skipped]
+    # Not run here: the two commands (what CI itself runs), the engines this machine's tests
+    # run elsewhere (vLLM, the routers; SGLang needs a GPU) and the agent CLIs, whose requests
+    # need a real model (tests/test_harness_rollouts.py plays them against a scripted engine).
+    assert len(skipped) == 3, [s.line for s in skipped]
     assert skipped[0] is snippets[0]
     assert "corral run" in snippets[0].code and "bash .ci/run" in snippets[0].code
     assert "--engine-api vllm" in skipped[1].code
     assert "SGLang or vLLM" in (skipped[1].skip_reason or "")
+    assert "--harness claude-code" in skipped[2].code
 
 
 def test_a_fence_left_open_is_an_error() -> None:

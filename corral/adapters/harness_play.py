@@ -52,6 +52,7 @@ from corral.env_secrets import SecretMissing, env_secret
 from corral.envs.client import EnvClient, EnvClientError, EnvServerError
 from corral.envs.protocol import AgentLaunch, AgentResult, AgentRun, ResetObservation
 from corral.gateway.samples import Sample
+from corral.harnesses import HARNESSES
 from corral.harnesses.base import AgentTask, Harness, HarnessError, SessionAccess
 
 if TYPE_CHECKING:
@@ -60,7 +61,6 @@ if TYPE_CHECKING:
 # Errors worth waiting out within reset_timeout: the server is full or not up (yet).
 _RETRY_RESET = frozenset({"CAPACITY_REACHED", "SESSION_ERROR"})
 _RESET_RETRY_S = 0.5
-HARNESS_NAMES = ("claude-code", "codex", "command")
 
 
 class _Failed(Exception):
@@ -501,7 +501,7 @@ def add_harness_arguments(
     when ``--harness`` is given (read them back with :func:`harness_options`)."""
     parser.add_argument(
         "--harness",
-        choices=HARNESS_NAMES,
+        choices=sorted(HARNESSES),
         help="play each episode with this agent inside the episode's sandbox on the env "
         "server (which needs --agent-clis for claude-code and codex)",
     )

@@ -310,6 +310,8 @@ class SandboxedEnv:
         if self.agents is None:
             raise AgentUnsupported("this env's host runs no agents")
         setup = self.agents
+        if setup.refusal is not None:
+            raise AgentUnsupported(setup.refusal)
         try:
             return await run_agent(
                 self.sandbox,
@@ -351,6 +353,7 @@ class AgentSetup:
     jail: tuple[str, ...]
     workdir: str
     policy: AgentPolicy
+    refusal: str | None = None  # set: why agents are not run in these sandboxes
 
 
 def build_payload(bundle: Bundle, into: Path) -> Path:
@@ -435,8 +438,22 @@ class SandboxHost:
         self.spec = spec
         jail = tuple(provider.model_jail(spec))
         self._jail = json.dumps(list(jail))
+        refusal = None
+        if provider.isolated and spec.network.mode != "none":
+            # bwrap's "loopback" and docker's host networking share the host's network
+            # namespace: the agent would reach every host port directly, past the bridge.
+            refusal = (
+                f"this bundle's sandboxes have network {spec.network.mode!r}: an agent there "
+                "would reach the host's network directly, past its bridge to the gateway; "
+                "agents run only in sandboxes with network 'none'"
+            )
         self.agents = AgentSetup(
-            python=python, code_root=self.code_root, jail=jail, workdir=spec.workdir, policy=policy
+            python=python,
+            code_root=self.code_root,
+            jail=jail,
+            workdir=spec.workdir,
+            policy=policy,
+            refusal=refusal,
         )
         self._pool: WarmPool | None = WarmPool(provider, spec, warm) if warm > 0 else None
 
