@@ -35,7 +35,9 @@ command's process group; then the wrapper SIGKILLs everything left in the sessio
 has not answered ``HOST_GRACE_S`` after that, the host kills the session through a second
 command and the envd process itself; a cancelled exec or spawn is killed the same way (once
 started, if cancelled while starting). A process that leaves the session (``setsid``) escapes
-these kills but dies with the sandbox at ``close``. The template needs ``sh``, ``setsid``
+these kills but dies with the sandbox at ``close``. A spawned process's session goes with it:
+when it ends (by itself, or killed: a launcher killed outright) the wrapper kills what is left
+in the session, as the kubernetes backend does. The template needs ``sh``, ``setsid``
 (util-linux), ``timeout`` (coreutils), ``sed`` and ``cut``: every Debian/Ubuntu image has them.
 
 What can be tested without E2B's service is tested against a stand-in of it
@@ -213,9 +215,15 @@ def exec_line(
 
 def spawn_line(cmd: Sequence[str], *, env: Mapping[str, str], sid_file: str) -> str:
     """The command line for a spawned process: a shell leading a new session (its id in
-    ``sid_file``) runs ``cmd`` with envd's stdin and stdout pipes, then removes the file."""
+    ``sid_file``) runs ``cmd`` with envd's stdin and stdout pipes; when ``cmd`` ends (by
+    itself or killed) the shell SIGKILLs what is left in the session, then removes the file.
+    (Without that, what a spawned process started would outlive it until the sandbox ends:
+    once the file is gone the host-side kill finds no session to kill.)"""
     q = shlex.quote(sid_file)
-    script = f'{_mkdir_for(sid_file)}; echo $$ > {q}; "$@"; s=$?; rm -f {q}; exit $s'
+    script = (
+        f'{_KILL_SESSION_FN}; {_mkdir_for(sid_file)}; echo $$ > {q}; "$@"; s=$?; k $$; '
+        f"rm -f {q}; exit $s"
+    )
     return f"exec {_env_prefix(env)}setsid -w sh -c {shlex.quote(script)} sh {shlex.join(cmd)}"
 
 
