@@ -203,7 +203,7 @@ async def test_a_claude_code_sub_agent_is_its_own_sample(
     assert event["compared_trajectory"] == 0
     assert (event["message_index"], event["message_role"]) == (0, "system")
     assert not event["in_model_output"]
-    assert "message 0 (system)" in event["explanation"]
+    assert event["explanation"].startswith("a new conversation: its system message differs")
     # The sample carries the same explanation as the drift report.
     assert sub_sample.metadata["drift"] == event
     assert [t["turns"] for t in view["trajectories"]] == [[0, 3], [1, 2]]

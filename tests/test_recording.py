@@ -188,6 +188,12 @@ def test_prompt_side_divergence_and_truncation_hint() -> None:
     assert d.drift.position == len("<system>")
     assert (d.drift.message_index, d.drift.message_role) == (0, "system")
     assert not d.drift.in_model_output
+    assert d.drift.explanation.startswith("a new conversation: its system message differs")
+    # Past the system message, the same divergence is the template's (or the client's) drift.
+    merger = TrajectoryMerger(dec)
+    merger.add(make_turn([msg("system", "s"), msg("user", "one")], "A|"))
+    d = merger.add(make_turn([msg("system", "s"), msg("user", "two")], "B|"))
+    assert d.drift is not None and (d.drift.message_index, d.drift.message_role) == (1, "user")
     assert "re-rendered prompt differs from the held prompt tokens" in d.drift.explanation
 
     merger = TrajectoryMerger(dec)

@@ -602,6 +602,15 @@ class TrajectoryMerger:
                         f" (the held turn ended with finish_reason={last.finish_reason!r}, "
                         "so its output was cut short)"
                     )
+            elif message_index == 0 and message_role == "system":
+                # Not drift: the client began another conversation on this session (a
+                # sub-agent, a compacted context, a second task); it trains as its own sample.
+                explanation = (
+                    f"a new conversation: its system message differs from trajectory "
+                    f"{compared.index}'s at token {position} (a sub-agent, a compacted context, "
+                    f"or another conversation of the client): held {held_text!r} vs new "
+                    f"{new_text!r} after {context!r}"
+                )
             else:
                 explanation = (
                     f"the re-rendered prompt differs from the held prompt tokens {where} "
