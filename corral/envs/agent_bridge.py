@@ -63,6 +63,9 @@ MAX_FILES_BYTES = 32 * 2**20  # all of a launch's files together, decoded
 LAUNCHER_GRACE_S = 5.0  # how long the launcher may take to report after term/kill
 CONNECT_TIMEOUT_S = 10.0  # to open one connection to the gateway
 PROBE_TIMEOUT_S = 10.0  # the exec that tells a dead launcher from a dead sandbox
+# Bytes from the agent one connection may hold here, not yet taken by the gateway: past it the
+# connection is reset (a gateway that stops reading must not grow the server's memory).
+MAX_LINK_BUFFER = 16 * 2**20
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _LOOPBACK_NAMES = ("localhost",)
 
@@ -346,12 +349,19 @@ class _Link:
         self.id = cid
         self.run_ = run
         self.inbox: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.queued = 0  # bytes in the inbox (bounded by MAX_LINK_BUFFER)
         self.writer: asyncio.StreamWriter | None = None
         self.task: asyncio.Future[None] | None = None
 
     def from_agent(self, kind: str, frame: dict[str, Any]) -> None:
         if kind == "data":
-            self.inbox.put_nowait(base64.b64decode(frame["b"]))
+            chunk = base64.b64decode(frame["b"])
+            self.queued += len(chunk)
+            if self.queued > MAX_LINK_BUFFER:
+                log.info("agent connection %d: the gateway takes too little; reset", self.id)
+                self.abort()  # its task ends and tells the launcher to reset the agent's side
+                return
+            self.inbox.put_nowait(chunk)
         elif kind == "eof":
             self.inbox.put_nowait(None)
         else:  # the agent's side failed: drop ours
@@ -403,6 +413,7 @@ class _Link:
         while (chunk := await self.inbox.get()) is not None:
             writer.write(chunk)
             await writer.drain()
+            self.queued -= len(chunk)
         if writer.can_write_eof():
             writer.write_eof()  # TLS cannot half-close: the connection then stays open
 
