@@ -20,8 +20,9 @@ A sandbox is a host folder (its writable ``workdir``) plus per-sandbox cgroups; 
 
 Policy ``loopback`` uses ``--share-net``: the sandbox shares the **host's network namespace**.
 It can then reach *every* host loopback service (not only the env server's port) and the
-host's outside network, and services it starts are reachable on the host's 127.0.0.1. Use ``none`` for untrusted actions unless the env truly
-needs the network. ``allowlist`` is refused (bwrap has no per-host filter).
+host's outside network, and services it starts are reachable on the host's 127.0.0.1. Use
+``none`` for untrusted actions unless the env truly needs the network (black-box agents are
+never run under ``loopback``). ``allowlist`` is refused (bwrap has no per-host filter).
 
 Processes do not outlive their exec: each exec is its own pid namespace, killed when its main
 process exits. The command is that namespace's pid 1 (``--as-pid-1``): bwrap's own reaper as
