@@ -15,7 +15,9 @@ frames are listed in the launcher's docstring):
   agent connection and pumps bytes both ways. So the agent reaches the gateway and nothing
   else, on every backend, also where the sandbox is remote (kubernetes, e2b): no network
   path from the sandbox to the gateway is needed at all. A gateway that cannot be reached
-  resets the agent's connection;
+  resets the agent's connection; so does one more than :data:`MAX_LINKS` at once, and one
+  whose bytes not yet taken by the gateway pass :data:`MAX_LINK_BUFFER` (or all of the run's
+  together :data:`MAX_RUN_BUFFER`);
 - the agent's stdout and stderr come up as ``out`` / ``err`` frames (only the transcript
   stream's first :data:`MAX_TRANSCRIPT_BYTES`; of both, the last :data:`TAIL_BYTES` in a
   ``tail`` frame), its exit as ``exit``.
@@ -46,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from corral.envs.agent_launcher import CHUNK
+from corral.envs.agent_launcher import CHUNK, MAX_CONNECTIONS
 from corral.envs.model_actions import JAIL_VARIABLE
 from corral.envs.protocol import AgentLaunch, AgentRun
 from corral.sandboxes.base import Sandbox, SandboxError, SandboxProcess
@@ -66,6 +68,12 @@ PROBE_TIMEOUT_S = 10.0  # the exec that tells a dead launcher from a dead sandbo
 # Bytes from the agent one connection may hold here, not yet taken by the gateway: past it the
 # connection is reset (a gateway that stops reading must not grow the server's memory).
 MAX_LINK_BUFFER = 16 * 2**20
+# The same, for all of one run's connections together: MAX_LINKS links each at its own bound
+# would hold a GiB per agent.
+MAX_RUN_BUFFER = 64 * 2**20
+# Agent connections bridged at once (each holds a gateway connection, a file descriptor of the
+# server's): one more is reset. The launcher caps them the same way (its MAX_CONNECTIONS).
+MAX_LINKS = MAX_CONNECTIONS
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _LOOPBACK_NAMES = ("localhost",)
 
@@ -110,8 +118,10 @@ class Origin:
             raise AgentRefused(f"gateway {url!r}: give scheme://host:port, nothing else")
         if parts.path not in ("", "/") or parts.query or parts.fragment:
             raise AgentRefused(f"gateway {url!r}: an origin has no path, query or fragment")
+        if port == 0:  # no server listens on port 0: it is no gateway's origin
+            raise AgentRefused(f"gateway {url!r}: port 0 is no port to connect to")
         default = 443 if scheme == "https" else 80
-        return cls(scheme, parts.hostname.lower(), port or default)
+        return cls(scheme, parts.hostname.lower(), default if port is None else port)
 
     @property
     def loopback(self) -> bool:
@@ -202,6 +212,8 @@ class _Run:
         self.t0 = t0  # when the launch was taken: every time in the AgentRun counts from it
         self.lock = asyncio.Lock()
         self.links: dict[int, _Link] = {}
+        self.queued = 0  # bytes in all the links' inboxes (bounded by MAX_RUN_BUFFER)
+        self.resets: set[asyncio.Future[None]] = set()  # resets sent by tasks of their own
         self.transcript = _Stream(MAX_TRANSCRIPT_BYTES)
         self.other = _Stream(0)
         self.streams = {"out": self.transcript, "err": self.other}
@@ -236,10 +248,10 @@ class _Run:
                 self.streams[kind].add(base64.b64decode(frame["b"]))
             elif kind == "tail":
                 stream = self.streams[frame["s"]]
-                stream.tail = bytearray(base64.b64decode(frame["b"]))
+                stream.tail = bytearray(base64.b64decode(frame["b"])[-TAIL_BYTES:])
                 stream.total = int(frame["n"])
             elif kind == "open":
-                self.open(int(frame["id"]))
+                await self.open(int(frame["id"]))
             elif kind in ("data", "eof", "close"):
                 link = self.links.get(int(frame["id"]))
                 if link is not None:
@@ -251,13 +263,27 @@ class _Run:
             elif kind == "error":
                 self.error = str(frame.get("message"))
 
-    def open(self, cid: int) -> None:
+    async def open(self, cid: int) -> None:
+        """Bridge the agent's new connection ``cid`` to the gateway; reset it instead when
+        :data:`MAX_LINKS` are bridged already (an id already bridged is ignored: the launcher
+        never reuses one)."""
+        if cid in self.links:
+            return
+        if len(self.links) >= MAX_LINKS:
+            log.info("agent connection %d: %d are bridged already; reset", cid, MAX_LINKS)
+            await self.reset(cid)
+            return
         self.connections += 1
         if self.first_request_s is None:
             self.first_request_s = self.now()
         link = _Link(cid, self)
         self.links[cid] = link
         link.task = asyncio.ensure_future(link.run())
+
+    async def reset(self, cid: int) -> None:
+        """Have the launcher reset the agent's connection ``cid`` (nothing once it is gone)."""
+        with contextlib.suppress(SandboxError):
+            await self.send({"t": "close", "id": cid, "abort": True})
 
     async def drive(self) -> None:
         """Send the launch, read frames, enforce the budget (module docstring)."""
@@ -303,6 +329,7 @@ class _Run:
         for link in list(self.links.values()):
             link.abort()
         tasks = [link.task for link in self.links.values() if link.task is not None]
+        tasks += self.resets
         if tasks:
             await asyncio.wait(tasks, timeout=1.0)
 
@@ -352,30 +379,43 @@ class _Link:
         self.queued = 0  # bytes in the inbox (bounded by MAX_LINK_BUFFER)
         self.writer: asyncio.StreamWriter | None = None
         self.task: asyncio.Future[None] | None = None
+        self.started = False  # run() has begun: its finally does the cleanup
 
     def from_agent(self, kind: str, frame: dict[str, Any]) -> None:
         if kind == "data":
             chunk = base64.b64decode(frame["b"])
-            self.queued += len(chunk)
-            if self.queued > MAX_LINK_BUFFER:
+            over_link = self.queued + len(chunk) > MAX_LINK_BUFFER
+            if over_link or self.run_.queued + len(chunk) > MAX_RUN_BUFFER:
                 log.info("agent connection %d: the gateway takes too little; reset", self.id)
                 self.abort()  # its task ends and tells the launcher to reset the agent's side
                 return
+            self._count(len(chunk))
             self.inbox.put_nowait(chunk)
         elif kind == "eof":
             self.inbox.put_nowait(None)
-        else:  # the agent's side failed: drop ours
-            self.run_.links.pop(self.id, None)
+        else:  # the agent's side failed: drop ours (abort forgets it, and tells the launcher)
             self.abort()
 
+    def _count(self, n: int) -> None:
+        self.queued += n
+        self.run_.queued += n
+
     def abort(self) -> None:
+        """Drop the connection. A task cancelled before it began never runs its cleanup
+        (nor tells the launcher), so that is done here, the reset sent from a task of its own."""
         if self.task is not None:
             self.task.cancel()
         if self.writer is not None:
             self.writer.transport.abort()
+        if not self.started and self.run_.links.pop(self.id, None) is not None:
+            self._count(-self.queued)
+            reset = asyncio.ensure_future(self.run_.reset(self.id))
+            self.run_.resets.add(reset)
+            reset.add_done_callback(self.run_.resets.discard)
 
     async def run(self) -> None:
         """Connect, pump both ways; on any failure reset the agent's connection."""
+        self.started = True
         origin = self.run_.origin
         clean = False
         try:
@@ -403,17 +443,21 @@ class _Link:
         except (OSError, TimeoutError, SandboxError) as exc:
             log.info("agent connection %d to the gateway failed: %s", self.id, exc)
         finally:
+            self._count(-self.queued)  # what its inbox holds is dropped with it
             if self.writer is not None:
                 self.writer.transport.abort() if not clean else self.writer.close()
             self.run_.links.pop(self.id, None)
-            with contextlib.suppress(SandboxError):
-                await self.run_.send({"t": "close", "id": self.id, "abort": not clean})
+            if clean:
+                with contextlib.suppress(SandboxError):
+                    await self.run_.send({"t": "close", "id": self.id, "abort": False})
+            else:
+                await self.run_.reset(self.id)
 
     async def _up(self, writer: asyncio.StreamWriter) -> None:
         while (chunk := await self.inbox.get()) is not None:
             writer.write(chunk)
             await writer.drain()
-            self.queued -= len(chunk)
+            self._count(-len(chunk))
         if writer.can_write_eof():
             writer.write_eof()  # TLS cannot half-close: the connection then stays open
 

@@ -22,12 +22,16 @@ this process's descendant and can be found and killed); listen on ``127.0.0.1:0`
 listener's origin in place of :data:`GATEWAY_PLACEHOLDER` in argv, env values and file
 contents; start ``jail + [python3, -I, -c, SETUP]`` in a process group of its own (in this
 process's session), the setup reading the files and the agent's environment from its stdin as
-the model's user, then exec'ing the agent. When the agent exits (or is killed), every process
-left below this one is killed, the agent's folders are removed (:func:`remove_agent_root`),
-the pipes are drained (at most :data:`DRAIN_S`), ``tail`` and ``exit`` go up, and the
-launcher ends. Signals go straight to the agent's processes where this process may send them
-(bwrap: one uid; local as root) and otherwise through the jail (docker: the agent's uid is not
-this one's), as a tiny killer run as the model's user.
+the model's user, then exec'ing the agent. Of the agent's connections at most
+:data:`MAX_CONNECTIONS` are served at once; one more, or one whose threads cannot be started
+(the sandbox's pids limit), is reset at once: the agent sees a failure, never a hang. A link
+found in place of :data:`AGENT_ROOT` (set up or removed) is removed, never followed. When the
+agent exits (or is killed), every process left below this one is killed, the agent's folders
+are removed (:func:`remove_agent_root`), the pipes are drained (at most :data:`DRAIN_S`),
+``tail`` and ``exit`` go up, and the launcher ends. Signals go straight to the agent's
+processes where this process may send them (bwrap: one uid; local as root) and otherwise
+through the jail (docker: the agent's uid is not this one's), as a tiny killer run as the
+model's user.
 
 On ``local`` the agent's folders (:data:`AGENT_ROOT`) are the host's ``/tmp/corral-agent``:
 one agent at a time per host there (a stale one is removed by the next setup); and a launcher
@@ -43,6 +47,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import ctypes
+import errno
 import json
 import os
 import queue
@@ -73,6 +78,11 @@ KILL_ROUNDS_S = 5.0  # how long the kill loop keeps finding new processes below 
 PR_SET_DUMPABLE = 4
 LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends a reset
 PR_SET_CHILD_SUBREAPER = 36
+# The agent's connections open at once: each costs two threads here, and a sandbox's pids limit
+# (bwrap's and docker's default 256) counts threads; past it a connection is reset at once.
+MAX_CONNECTIONS = 64
+# accept() errors that pass (out of fds or memory for a moment): the loop waits and goes on.
+TRANSIENT_ACCEPT_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 # Runs as the model's user through the jail (python3 -I: no PYTHONPATH, no user site): reads
 # {"env", "argv", "files"} from stdin, makes the agent's folders, writes the files (the
@@ -84,6 +94,9 @@ import os, shutil, sys
 
 def remove(root):
     if not os.path.lexists(root):
+        return
+    if os.path.islink(root) or not os.path.isdir(root):
+        os.unlink(root)  # a link planted in its place is removed, never followed
         return
     for top, dirs, _ in os.walk(root):
         for d in dirs:
@@ -380,15 +393,35 @@ class Launcher:
         os._exit(0)
 
     def _serve(self, listener: socket.socket) -> None:
-        """Accept the agent's connections; each one becomes ``open`` + data frames."""
+        """Accept the agent's connections; each one becomes ``open`` + data frames. At most
+        :data:`MAX_CONNECTIONS` at once: one more is reset at once, as is one whose threads
+        cannot be started (the sandbox's pids limit): the agent sees its connection fail,
+        never hang. Should accepting itself fail for good, the listener is closed, so the
+        agent's next connections are refused rather than left waiting in its backlog."""
         next_id = 0
-        while True:
-            sock, _ = listener.accept()
-            next_id += 1
-            conn = Connection(next_id, sock, self)
-            self._conns[next_id] = conn
-            self.send({"t": "open", "id": next_id})
-            conn.start()
+        try:
+            while True:
+                try:
+                    sock, _ = listener.accept()
+                except OSError as exc:
+                    if exc.errno not in TRANSIENT_ACCEPT_ERRORS:
+                        raise
+                    time.sleep(0.05)  # out of fds or memory for a moment: try again
+                    continue
+                if len(self._conns) >= MAX_CONNECTIONS:
+                    _reset(sock)
+                    continue
+                next_id += 1
+                conn = Connection(next_id, sock, self)
+                self._conns[next_id] = conn
+                self.send({"t": "open", "id": next_id})
+                if not conn.start():
+                    self._conns.pop(next_id, None)
+                    self.send({"t": "close", "id": next_id})
+        except Exception:  # whatever broke the loop: fail closed (docstring)
+            traceback.print_exc()
+            with contextlib.suppress(OSError):
+                listener.close()
 
     def handle(self, frame: dict[str, Any]) -> None:
         """One frame down (after ``launch``); unknown connection ids are ignored (closed)."""
@@ -430,9 +463,21 @@ class Connection:
         self.launcher = launcher
         self.outbox: queue.SimpleQueue[bytes | Mark] = queue.SimpleQueue()
 
-    def start(self) -> None:
-        _thread(self._read)
-        _thread(self._write)
+    def start(self) -> bool:
+        """Start its two threads; False (the connection reset, no thread left) when they
+        cannot be started. The writer goes first: until something is queued it never touches
+        the socket, so an ``ABORT`` queued for it is the whole cleanup."""
+        try:
+            _thread(self._write)
+        except RuntimeError:  # "can't start new thread": the sandbox's pids limit
+            _reset(self.sock)
+            return False
+        try:
+            _thread(self._read)
+        except RuntimeError:
+            self.outbox.put(ABORT)
+            return False
+        return True
 
     def _read(self) -> None:
         try:
@@ -463,6 +508,13 @@ class Connection:
         self.sock.close()
 
 
+def _reset(sock: socket.socket) -> None:
+    """Close ``sock`` with a reset (the agent sees its connection fail, not end)."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, LINGER_RESET)
+    sock.close()
+
+
 def _thread(target: Callable[..., None], *args: Any) -> threading.Thread:
     thread = threading.Thread(target=target, args=args, daemon=True)
     thread.start()
@@ -481,7 +533,9 @@ def main() -> int:
         listener.listen(64)
         launcher.send({"t": "listening", "port": listener.getsockname()[1]})
         launcher.start(launch, listener)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+        # RuntimeError: a thread that cannot be started (the sandbox's pids limit).
+        launcher.kill_tree()
         launcher.send({"t": "error", "message": f"{type(exc).__name__}: {exc}"})
         return 1
     try:

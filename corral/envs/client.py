@@ -30,6 +30,7 @@ from pydantic import ValidationError
 from websockets.asyncio.client import ClientConnection
 from websockets.protocol import State
 
+from corral.envs.agent_bridge import MAX_TRANSCRIPT_BYTES
 from corral.envs.protocol import (
     SERVER_MESSAGE,
     AgentLaunch,
@@ -78,6 +79,10 @@ _EPISODE_OVER_REASONS = frozenset({"episode_done", "no_episode", "state_too_larg
 # What an agent frame's reply may take beyond the agent's budget and kill grace, besides the
 # ending of the episode (see EnvClient.run_agent): the launcher's start and the files it writes.
 AGENT_START_S = 30.0
+# The largest frame the client takes: an agent reply carries a transcript of up to
+# MAX_TRANSCRIPT_BYTES, which JSON escaping may grow up to six times (control bytes become
+# \u00XX); websockets' default 1 MiB would drop the socket, and the episode with it.
+MAX_FRAME_BYTES = 6 * MAX_TRANSCRIPT_BYTES + 2**20
 
 
 def ws_url(url: str) -> str:
@@ -141,7 +146,10 @@ class EnvClient:
         headers = {"Authorization": f"Bearer {self._token}"} if self._token else None
         try:
             self._ws = await websockets.connect(
-                self.url, additional_headers=headers, open_timeout=self.open_timeout
+                self.url,
+                additional_headers=headers,
+                open_timeout=self.open_timeout,
+                max_size=MAX_FRAME_BYTES,
             )
         except (OSError, TimeoutError, websockets.InvalidHandshake) as exc:
             raise EnvClientError(f"cannot connect to {self.url}: {exc}") from exc
