@@ -382,9 +382,10 @@ async def test_an_agent_that_ignores_sigterm_is_killed_after_the_grace(
 async def test_a_launcher_killed_outright_is_a_run_that_says_so(box: Box, gateway: Gateway) -> None:
     """bwrap: the launcher is its namespace's pid 1, so everything dies with it. local: the
     agent's own process dies with it (a parent-death signal); what the agent started is
-    not reached (no isolation: nothing holds the tree), so the test kills it itself."""
-    if box.backend == "docker":
-        pytest.skip("the launcher runs as a uid the test's execs cannot signal")
+    not reached (no isolation: nothing holds the tree), so the test kills it itself. docker:
+    the launcher (killed here from the host, as an OOM kill would) takes nothing with it:
+    the agent's processes live until the container goes, at the episode's close (the run
+    says the launcher was killed, so the rollout is failed, whatever the agent does)."""
     marker = _marker()
     task = asyncio.ensure_future(box.run(_launch(gateway.origin, "hang", marker)))
     await asyncio.wait_for(gateway.hanging.wait(), 30)
@@ -399,6 +400,10 @@ async def test_a_launcher_killed_outright_is_a_run_that_says_so(box: Box, gatewa
         for entry in left:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(entry.split()[0]), signal.SIGKILL)
+    elif box.backend == "docker":
+        await box.sandbox.close()
+        assert not await box.sandbox.is_alive()
+        assert await asyncio.to_thread(_host_processes, marker) == []
     else:
         assert left == []
 
