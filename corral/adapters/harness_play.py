@@ -46,9 +46,8 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from corral.adapters.gateway_admin import GatewayAdmin, GatewayAdminError, SessionHandle
-from corral.adapters.player import PlayerError, Rollout, RolloutTiming
+from corral.adapters.player import PlayerError, Rollout, RolloutTiming, row_token
 from corral.adapters.rows import Row
-from corral.env_secrets import SecretMissing, env_secret
 from corral.envs.client import EnvClient, EnvClientError, EnvServerError
 from corral.envs.protocol import AgentLaunch, AgentResult, AgentRun, ResetObservation
 from corral.gateway.samples import Sample
@@ -205,10 +204,7 @@ class HarnessPlayer:
             )
 
     def _token(self, row: Row) -> str | None:
-        try:
-            return env_secret(row.metadata.env.token_var, "the row's env server token", self.env)
-        except SecretMissing as exc:
-            raise PlayerError(str(exc)) from None
+        return row_token(row, self.env)
 
     async def play(
         self,

@@ -96,6 +96,15 @@ class _Episode:
     tools_s: float = 0.0
 
 
+def row_token(row: Row, env: Mapping[str, str]) -> str | None:
+    """The env server's token for ``row``, from the variable it names in ``env`` (``None``
+    when it names none); :class:`PlayerError` when that variable is unset."""
+    try:
+        return env_secret(row.metadata.env.token_var, "the row's env server token", env)
+    except SecretMissing as exc:
+        raise PlayerError(str(exc)) from None
+
+
 class Player:
     """Plays rows through the gateway behind ``gateway``. ``sampling``: overrides every
     session's sampling (temperature, top_p, top_k, max_tokens, seed, stop). ``env``: where a
@@ -135,10 +144,7 @@ class Player:
         await self.aclose()
 
     def _token(self, row: Row) -> str | None:
-        try:
-            return env_secret(row.metadata.env.token_var, "the row's env server token", self.env)
-        except SecretMissing as exc:
-            raise PlayerError(str(exc)) from None
+        return row_token(row, self.env)
 
     async def play(
         self,
