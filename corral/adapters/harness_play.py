@@ -46,7 +46,15 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from corral.adapters.gateway_admin import GatewayAdmin, GatewayAdminError, SessionHandle
-from corral.adapters.player import PlayerError, Rollout, RolloutTiming, row_token
+from corral.adapters.player import (
+    PlayerError,
+    Rollout,
+    RolloutFailed,
+    RolloutTiming,
+    aborted_sample,
+    row_token,
+    start_episode,
+)
 from corral.adapters.rows import Row
 from corral.envs.client import EnvClient, EnvClientError, EnvServerError
 from corral.envs.protocol import AgentLaunch, AgentResult, AgentRun, ResetObservation
@@ -56,10 +64,6 @@ from corral.harnesses.base import AgentTask, Harness, HarnessError, SessionAcces
 
 if TYPE_CHECKING:
     from corral.adapters.evals import Stats
-
-# Errors worth waiting out within reset_timeout: the server is full or not up (yet).
-_RETRY_RESET = frozenset({"CAPACITY_REACHED", "SESSION_ERROR"})
-_RESET_RETRY_S = 0.5
 
 
 class _Failed(Exception):
@@ -355,11 +359,11 @@ class HarnessPlayer:
                 await self.gateway.set_reward(session.id, outcome.reward)
             why = reason or "no turn was recorded"
             samples = await self.gateway.samples(session.id) or [
-                _aborted(session.id, {**tags, "failure": why}, group_index, index)
+                aborted_sample(session.id, {**tags, "failure": why}, group_index, index)
             ]
         except GatewayAdminError as exc:
             reason = f"gateway: {exc}"
-            samples = [_aborted(session.id, {**tags, "failure": reason}, group_index, index)]
+            samples = [aborted_sample(session.id, {**tags, "failure": reason}, group_index, index)]
         return samples, reason
 
 
@@ -414,39 +418,11 @@ class StartedEpisode:
 
 
 async def _reset(client: EnvClient, row: Row) -> StartedEpisode:
-    """Start the row's episode, waiting within ``reset_timeout`` for a full or restarting
-    server; ``_Failed`` when it does not start."""
-    ref, meta = row.metadata.env, row.metadata
-    deadline = time.monotonic() + ref.reset_timeout
-    while True:
-        try:
-            out = await client.reset(meta.split, meta.index)
-            return StartedEpisode.of(out.observation)
-        except EnvServerError as exc:
-            if exc.code not in _RETRY_RESET or time.monotonic() >= deadline:
-                raise _Failed(f"env: the episode did not start: {exc}") from exc
-        except EnvClientError as exc:  # not reachable (yet): a restart
-            if time.monotonic() >= deadline:
-                raise _Failed(f"env: the episode did not start: {exc}") from exc
-        await asyncio.sleep(_RESET_RETRY_S)  # a retry interval, not synchronisation
-
-
-def _aborted(
-    session_id: str, metadata: dict[str, Any], group_index: int | None, index: int | None
-) -> Sample:
-    """The one sample of a session that recorded no turn: nothing to train on."""
-    return Sample(
-        group_index=group_index,
-        index=index,
-        tokens=[],
-        response_length=0,
-        loss_mask=[],
-        rollout_log_probs=[],
-        status="aborted",
-        metadata=metadata,
-        rollout_id=session_id,
-        remove_sample=True,
-    )
+    """Start the row's episode (as the player does); ``_Failed`` when it does not start."""
+    try:
+        return StartedEpisode.of(await start_episode(client, row))
+    except RolloutFailed as exc:
+        raise _Failed(str(exc)) from exc
 
 
 # -- outputs ---------------------------------------------------------------------------------

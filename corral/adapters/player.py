@@ -38,7 +38,7 @@ from corral.adapters.gateway_admin import GatewayAdmin, GatewayAdminError, Sessi
 from corral.adapters.rows import Row
 from corral.env_secrets import SecretMissing, env_secret
 from corral.envs.client import EnvClient, EnvClientError, EnvServerError
-from corral.envs.protocol import CallToolObservation, StepResult
+from corral.envs.protocol import CallToolObservation, ResetObservation, StepResult
 from corral.gateway.samples import Sample
 
 END_TURN = "end_turn"
@@ -204,13 +204,15 @@ class Player:
                     await self.gateway.set_reward(session.id, episode.reward)
                 why = reason or "no turn was recorded"
                 samples = await self.gateway.samples(session.id) or [
-                    _aborted(session.id, {**tags, "failure": why}, group_index, index)
+                    aborted_sample(session.id, {**tags, "failure": why}, group_index, index)
                 ]
             except GatewayAdminError as exc:
                 # The episode is played but its samples cannot be had (or rewarded): a failed
                 # rollout that the group filter drops, not an error that stops a training run.
                 reason = f"gateway: {exc}"
-                samples = [_aborted(session.id, {**tags, "failure": reason}, group_index, index)]
+                samples = [
+                    aborted_sample(session.id, {**tags, "failure": reason}, group_index, index)
+                ]
         finally:
             # Shielded: a cancelled rollout still deletes its session (and never leaks it).
             with contextlib.suppress(GatewayAdminError):
@@ -295,21 +297,7 @@ class Player:
                 await asyncio.shield(client.close())
 
     async def _reset(self, client: EnvClient, row: Row) -> None:
-        """Start the row's episode, waiting within ``reset_timeout`` for a full or restarting
-        server."""
-        ref, meta = row.metadata.env, row.metadata
-        deadline = time.monotonic() + ref.reset_timeout
-        while True:
-            try:
-                await client.reset(meta.split, meta.index)
-                return
-            except EnvServerError as exc:
-                if exc.code not in _RETRY_RESET or time.monotonic() >= deadline:
-                    raise RolloutFailed(f"env: the episode did not start: {exc}") from exc
-            except EnvClientError as exc:  # not reachable (yet): a restart
-                if time.monotonic() >= deadline:
-                    raise RolloutFailed(f"env: the episode did not start: {exc}") from exc
-            await asyncio.sleep(_RESET_RETRY_S)  # a retry interval, not synchronisation
+        await start_episode(client, row)
 
     async def _step(self, client: EnvClient, episode: _Episode, name: str, arguments: str) -> str:
         """Send one tool call; the observation text the model reads. Records the reward and
@@ -345,7 +333,25 @@ def _openai_http_client() -> Any:
         return openai.DefaultAsyncHttpxClient()
 
 
-def _aborted(
+async def start_episode(client: EnvClient, row: Row) -> ResetObservation:
+    """Start the row's episode, waiting within ``reset_timeout`` for a full or restarting
+    server; its first observation. :class:`RolloutFailed` (with the reason the rollout is
+    flagged with) when it does not start."""
+    ref, meta = row.metadata.env, row.metadata
+    deadline = time.monotonic() + ref.reset_timeout
+    while True:
+        try:
+            return (await client.reset(meta.split, meta.index)).observation
+        except EnvServerError as exc:
+            if exc.code not in _RETRY_RESET or time.monotonic() >= deadline:
+                raise RolloutFailed(f"env: the episode did not start: {exc}") from exc
+        except EnvClientError as exc:  # not reachable (yet): a restart
+            if time.monotonic() >= deadline:
+                raise RolloutFailed(f"env: the episode did not start: {exc}") from exc
+        await asyncio.sleep(_RESET_RETRY_S)  # a retry interval, not synchronisation
+
+
+def aborted_sample(
     session_id: str, metadata: dict[str, Any], group_index: int | None, index: int | None
 ) -> Sample:
     """The one sample of a session that recorded no turn: nothing to train on."""
