@@ -42,7 +42,9 @@ def test_the_row_sampler_is_seeded_and_resumes_where_it_stopped() -> None:
 async def test_failed_groups_are_dropped_and_the_batch_filled_from_more_rows(
     gateway: str, tmp_path: Path
 ) -> None:
-    bundle = write_weather_bundle(tmp_path / "weather", modes=("ok", "raise"))
+    # "crash": the verifier raises, so the rollout fails whatever the tiny model does (the
+    # env's "raise" mode fails only a model that calls the tool, which sampling may not).
+    bundle = write_weather_bundle(tmp_path / "weather", modes=("ok", "crash"))
     with serve(build_app(bundle)) as url:
         await asyncio.to_thread(write_rows, url, tmp_path / "rows", RowSettings())
         rows: list[Row] = read_rows(tmp_path / "rows" / "all.jsonl")
@@ -51,14 +53,14 @@ async def test_failed_groups_are_dropped_and_the_batch_filled_from_more_rows(
             draw = GroupDraw(player, sampler, rollouts_per_row=2, concurrency=4)
             batch = await fill_batch(draw, 2, max_draws=6)
             with pytest.raises(BatchUnfillable, match="kept 0"):
-                only_failing = [r for r in rows if r.metadata.task_id == "w-raise"]
+                only_failing = [r for r in rows if r.metadata.task_id == "w-crash"]
                 failing = GroupDraw(player, RowSampler(only_failing), rollouts_per_row=1)
                 await fill_batch(failing, 1, max_draws=2)
     assert len(batch.groups) == 2
     assert all(len(g.rollouts) == 2 for g in batch.groups)
     assert len({g.group_index for g in batch.groups}) == 2
     assert all(d.reason == DROP_FAILED for d in batch.dropped)
-    assert batch.dropped, "the 'raise' row was drawn too (2 rows, 2 kept needed)"
+    assert batch.dropped, "the 'crash' row was drawn too (2 rows, 2 kept needed)"
     advantages = grpo_advantages(batch.groups, normalize_std=False)
     assert set(advantages) == {r.rollout_id for g in batch.groups for r in g.rollouts}
     assert all(r.failed is False for r in draw.played if r.row.metadata.task_id == "w-ok")
