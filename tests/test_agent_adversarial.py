@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp import web
 
 from corral.envs.agent_bridge import (
     MAX_LINK_BUFFER,
@@ -41,7 +40,7 @@ from corral.envs.server import build_app
 from corral.sandboxes.base import Bind, Sandbox, SandboxSpec
 from corral.sandboxes.bwrap import BwrapProvider
 from tests.conftest import ROOT
-from tests.servers import serve
+from tests.servers import serve, stand_in_gateway
 
 WORKDIR = "/work"
 LOOPBACK = "http://127.0.0.1:8000"
@@ -141,19 +140,8 @@ def test_nan_budgets_do_not_validate() -> None:
 @pytest.fixture
 async def gateway() -> AsyncIterator[str]:
     """A real HTTP server on 127.0.0.1 standing as the gateway: it answers every request."""
-
-    async def handle(request: web.Request) -> web.Response:
-        return web.Response(text=f"reply to {request.path}")
-
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    yield f"http://127.0.0.1:{port}"
-    await runner.cleanup()
+    async with stand_in_gateway() as gw:
+        yield gw.origin
 
 
 @pytest.fixture(scope="module")

@@ -61,7 +61,7 @@ from corral.sandboxes.base import (
 from corral.sandboxes.bwrap import BwrapProvider
 from corral.sandboxes.local import LocalProvider
 from tests.conftest import ROOT, SANDBOX_IMAGE
-from tests.servers import free_port
+from tests.servers import Gateway, free_port, stand_in_gateway
 
 WORKDIR = "/work"
 
@@ -138,36 +138,10 @@ elif mode == "once":
 """
 
 
-@dataclass
-class Gateway:
-    """The stand-in gateway's address and what it was asked."""
-
-    origin: str
-    requests: list[tuple[str, str, bytes]]
-    hanging: asyncio.Event
-
-
 @pytest.fixture
 async def gateway() -> AsyncIterator[Gateway]:
-    seen: list[tuple[str, str, bytes]] = []
-    hanging = asyncio.Event()
-
-    async def handle(request: web.Request) -> web.Response:
-        body = await request.read()
-        seen.append((request.method, request.path, body))
-        if request.path == "/v1/hanging":
-            hanging.set()
-        return web.Response(text=f"reply to {request.path}")
-
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    yield Gateway(f"http://127.0.0.1:{port}", seen, hanging)
-    await runner.cleanup()
+    async with stand_in_gateway() as gw:
+        yield gw
 
 
 @pytest.fixture(scope="module")

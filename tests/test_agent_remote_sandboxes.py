@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp import web
 
 from corral.envs.bundle import Bundle, load_bundle
 from corral.envs.hosting import UPLOAD_ROOT, SandboxedEnv, SandboxHost
@@ -44,6 +43,7 @@ from corral.envs.protocol import AGENT_DIR, AGENT_ROOT, GATEWAY_PLACEHOLDER, Age
 from corral.sandboxes.base import SandboxProvider, SandboxSpec
 from corral.sandboxes.image import DEFAULT_TAG
 from tests.conftest import ROOT
+from tests.servers import Gateway, stand_in_gateway
 
 SHELLCRAFT = ROOT / "bundles" / "shellcraft"
 BIG = 3 * 2**20 + 17  # bytes each way in the big-transfer test: many frames, odd-sized
@@ -142,38 +142,10 @@ KILL_LAUNCHER = (
 # -- the gateway -------------------------------------------------------------------------------
 
 
-@dataclass
-class Gateway:
-    """The stand-in gateway's origin and what it was asked (method, path, body)."""
-
-    origin: str
-    requests: list[tuple[str, str, bytes]]
-    hanging: asyncio.Event
-
-
 @pytest.fixture
 async def gateway() -> AsyncIterator[Gateway]:
-    seen: list[tuple[str, str, bytes]] = []
-    hanging = asyncio.Event()
-
-    async def handle(request: web.Request) -> web.Response:
-        body = await request.read()
-        seen.append((request.method, request.path, body))
-        if request.path == "/v1/hanging":
-            hanging.set()
-        if request.path.startswith("/v1/echo"):
-            return web.Response(body=body[::-1])
-        return web.Response(text=f"reply to {request.path}")
-
-    app = web.Application(client_max_size=64 * 2**20)
-    app.router.add_route("*", "/{tail:.*}", handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    yield Gateway(f"http://127.0.0.1:{port}", seen, hanging)
-    await runner.cleanup()
+    async with stand_in_gateway(max_body_bytes=64 * 2**20) as gw:
+        yield gw
 
 
 # -- the remote backends -----------------------------------------------------------------------
