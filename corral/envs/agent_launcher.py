@@ -63,6 +63,7 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from corral.envs.model_actions import model_argv
+from corral.envs.runner import private_streams
 
 # The protocol module's constants, repeated: this file cannot import pydantic's protocol module.
 GATEWAY_PLACEHOLDER = "@@CORRAL_GATEWAY@@"
@@ -75,7 +76,6 @@ CHUNK = 65536
 TAIL = 4000
 DRAIN_S = 2.0  # after the agent is gone, how long its pipes may stay open (held by escapees)
 KILL_ROUNDS_S = 5.0  # how long the kill loop keeps finding new processes below this one
-PR_SET_DUMPABLE = 4
 LINGER_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends a reset
 PR_SET_CHILD_SUBREAPER = 36
 # The agent's connections open at once: each costs two threads here, and a sandbox's pids limit
@@ -157,24 +157,14 @@ for target in sys.argv[2:]:
 
 
 def harden() -> tuple[IO[bytes], IO[bytes]]:
-    """As :func:`corral.envs.runner.harden`: non-dumpable, the protocol on private
-    close-on-exec copies of fds 0/1 (0 becomes /dev/null, 1 stderr), and a child subreaper.
-    ``OSError`` when the process cannot be made non-dumpable."""
+    """As :func:`corral.envs.runner.harden` (:func:`~corral.envs.runner.private_streams`:
+    non-dumpable, the protocol on private close-on-exec copies of fds 0/1), and a child
+    subreaper. ``OSError`` when either cannot be set."""
+    down, up = private_streams()
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"prctl(PR_SET_DUMPABLE, 0) failed: {os.strerror(err)}")
     if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"prctl(PR_SET_CHILD_SUBREAPER, 1) failed: {os.strerror(err)}")
-    down = os.fdopen(os.dup(0), "rb")
-    up = os.fdopen(os.dup(1), "wb")
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
-    os.dup2(2, 1)
-    sys.stdin = open(os.devnull)  # noqa: SIM115 -- lives as long as the process
-    sys.stdout = sys.stderr
     return down, up
 
 

@@ -66,23 +66,33 @@ KEPT_VARIABLES = (
 )
 
 
-def harden() -> tuple[IO[bytes], IO[bytes]]:
-    """Make this process unreachable from its children (module docstring) and return the
-    private protocol streams (requests, answers). Raises ``OSError`` when the process cannot be
-    made non-dumpable: serving anyway would leave its memory open to the model's commands."""
+def private_streams() -> tuple[IO[bytes], IO[bytes]]:
+    """Make this process non-dumpable and move its protocol streams off fds 0/1 (module
+    docstring: the first two points of :func:`harden`); the private streams (down, up).
+    Raises ``OSError`` when the process cannot be made non-dumpable: serving anyway would
+    leave its memory open to the model's commands. The black-box agent's launcher
+    (:mod:`corral.envs.agent_launcher`) hardens itself with it too."""
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"prctl(PR_SET_DUMPABLE, 0) failed: {os.strerror(err)}")
     # os.dup's copies are non-inheritable (close-on-exec): no child ever holds the protocol.
-    requests = os.fdopen(os.dup(0), "rb")
-    answers = os.fdopen(os.dup(1), "wb")
+    down = os.fdopen(os.dup(0), "rb")
+    up = os.fdopen(os.dup(1), "wb")
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    os.dup2(2, 1)  # the env's prints go to stderr, never into the protocol
+    os.dup2(2, 1)  # prints go to stderr, never into the protocol
     sys.stdin = open(os.devnull)  # noqa: SIM115 -- lives as long as the process
     sys.stdout = sys.stderr
+    return down, up
+
+
+def harden() -> tuple[IO[bytes], IO[bytes]]:
+    """Make this process unreachable from its children (module docstring) and return the
+    private protocol streams (requests, answers). Raises ``OSError`` when the process cannot be
+    made non-dumpable: serving anyway would leave its memory open to the model's commands."""
+    requests, answers = private_streams()
     for name in list(os.environ):
         if name not in KEPT_VARIABLES:
             del os.environ[name]
