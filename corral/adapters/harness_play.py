@@ -51,14 +51,13 @@ from corral.adapters.player import (
     Rollout,
     RolloutFailed,
     RolloutTiming,
-    aborted_sample,
     row_token,
+    settle_session,
     start_episode,
 )
 from corral.adapters.rows import Row
 from corral.envs.client import EnvClient, EnvClientError, EnvServerError
 from corral.envs.protocol import AgentLaunch, AgentResult, AgentRun, ResetObservation
-from corral.gateway.samples import Sample
 from corral.harnesses import HARNESSES
 from corral.harnesses.base import AgentTask, Harness, HarnessError, SessionAccess
 
@@ -269,7 +268,9 @@ class HarnessPlayer:
                     reset.cancel()
                 with contextlib.suppress(Exception):
                     await asyncio.shield(client.close())
-            samples, reason = await self._settle(session, outcome, tags, group_index, index)
+            samples, reason = await settle_session(
+                self.gateway, session.id, outcome.reward, outcome.reason, tags, group_index, index
+            )
             if reason is None:
                 reward_set_s = time.monotonic() - started
         finally:
@@ -340,31 +341,6 @@ class HarnessPlayer:
         except GatewayAdminError as exc:
             raise _Failed(f"gateway: {exc}") from exc
         return len(view.get("turns") or [])
-
-    async def _settle(
-        self,
-        session: SessionHandle,
-        outcome: _Outcome,
-        tags: dict[str, Any],
-        group_index: int | None,
-        index: int | None,
-    ) -> tuple[list[Sample], str | None]:
-        """Set the outcome on the session and take its samples: (samples, failure reason)."""
-        reason = outcome.reason
-        try:
-            if reason is not None:
-                await self.gateway.fail(session.id, reason)
-            else:
-                assert outcome.reward is not None
-                await self.gateway.set_reward(session.id, outcome.reward)
-            why = reason or "no turn was recorded"
-            samples = await self.gateway.samples(session.id) or [
-                aborted_sample(session.id, {**tags, "failure": why}, group_index, index)
-            ]
-        except GatewayAdminError as exc:
-            reason = f"gateway: {exc}"
-            samples = [aborted_sample(session.id, {**tags, "failure": reason}, group_index, index)]
-        return samples, reason
 
 
 @dataclass

@@ -196,23 +196,9 @@ class Player:
                 reason = str(exc)
             if reason is None and episode.reward is None:
                 reason = "no reward: the episode ended without one"
-            try:
-                if reason is not None:
-                    await self.gateway.fail(session.id, reason)
-                else:
-                    assert episode.reward is not None
-                    await self.gateway.set_reward(session.id, episode.reward)
-                why = reason or "no turn was recorded"
-                samples = await self.gateway.samples(session.id) or [
-                    aborted_sample(session.id, {**tags, "failure": why}, group_index, index)
-                ]
-            except GatewayAdminError as exc:
-                # The episode is played but its samples cannot be had (or rewarded): a failed
-                # rollout that the group filter drops, not an error that stops a training run.
-                reason = f"gateway: {exc}"
-                samples = [
-                    aborted_sample(session.id, {**tags, "failure": reason}, group_index, index)
-                ]
+            samples, reason = await settle_session(
+                self.gateway, session.id, episode.reward, reason, tags, group_index, index
+            )
         finally:
             # Shielded: a cancelled rollout still deletes its session (and never leaks it).
             with contextlib.suppress(GatewayAdminError):
@@ -349,6 +335,35 @@ async def start_episode(client: EnvClient, row: Row) -> ResetObservation:
             if time.monotonic() >= deadline:
                 raise RolloutFailed(f"env: the episode did not start: {exc}") from exc
         await asyncio.sleep(_RESET_RETRY_S)  # a retry interval, not synchronisation
+
+
+async def settle_session(
+    gateway: GatewayAdmin,
+    session_id: str,
+    reward: float | None,
+    reason: str | None,
+    tags: dict[str, Any],
+    group_index: int | None,
+    index: int | None,
+) -> tuple[list[Sample], str | None]:
+    """Set a played rollout's outcome on its session (the failure ``reason``, else the
+    ``reward``) and take the session's samples: ``(samples, reason)``. A gateway that cannot
+    take the outcome or hand over the samples makes the rollout failed (``gateway: ...``,
+    one aborted sample): a rollout the group filter drops, not an error that stops a run."""
+    try:
+        if reason is not None:
+            await gateway.fail(session_id, reason)
+        else:
+            assert reward is not None
+            await gateway.set_reward(session_id, reward)
+        why = reason or "no turn was recorded"
+        samples = await gateway.samples(session_id) or [
+            aborted_sample(session_id, {**tags, "failure": why}, group_index, index)
+        ]
+    except GatewayAdminError as exc:
+        reason = f"gateway: {exc}"
+        samples = [aborted_sample(session_id, {**tags, "failure": reason}, group_index, index)]
+    return samples, reason
 
 
 def aborted_sample(
