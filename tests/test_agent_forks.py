@@ -362,6 +362,7 @@ async def test_a_retried_request_continues_its_trajectory(
         "forks": 0,
         "by_reason": {"first_turn": 1, "extends": 1},
         "events": [],
+        "history_fallbacks": [],
     }
     assert sample.metadata["origin"] == "first_turn" and sample.metadata["drift"] is None
     if harness == "claude-code":

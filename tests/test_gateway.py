@@ -187,7 +187,9 @@ def test_think_template_drift_is_explained(tiny_think_model_dir: Path) -> None:
         serve(build_engine_app(LocalEngine(tiny_think_model_dir))) as engine_url,
         gateway_stack(tiny_think_model_dir, engine_url, reasoning_parser="qwen3") as stack,
     ):
-        s = stack.session()
+        # Template history: the whole conversation is rendered each turn (token history, the
+        # default, keeps the think block: tests/test_token_history.py).
+        s = stack.session(history="template")
         client = openai.OpenAI(base_url=s["base_url"], api_key=s["api_key"], max_retries=0)
         messages: list[dict[str, Any]] = [{"role": "user", "content": "Say hello."}]
         first = client.chat.completions.create(model="tiny", messages=messages, temperature=0)

@@ -20,6 +20,7 @@ from corral.cli.errors import RunError, UsageError, first_of
 from corral.envs.playcheck import DEFAULT_MARGIN, DEFAULT_SEED, DEFAULT_TASKS
 from corral.envs.server import DEFAULT_AGENT_MAX_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from corral.envs.server import DEFAULT_FIRST_RESET_TIMEOUT as FIRST_RESET_TIMEOUT_S
+from corral.gateway.history import HISTORY_MODES
 from corral.gateway.parsers.reasoning import reasoning_parser_names
 from corral.gateway.parsers.tool_calls import tool_call_parser_names
 from corral.gateway.settings import DEFAULT_CLIENT_TEMPLATE_KWARGS, GatewaySettings
@@ -117,6 +118,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser,
         chat_template_kwargs=args.chat_template_kwargs,
         client_template_kwargs=frozenset(args.chat_template_kwargs_allow),
+        history=args.history,
         max_sessions=args.max_sessions,
         max_held_tokens=args.max_held_tokens,
         session_ttl_s=args.session_ttl,
@@ -913,6 +915,14 @@ def _add_gateway(sub: Any) -> None:
         help="comma-separated template variables clients may set per request "
         "(chat_template_kwargs); default: enable_thinking. The template itself is never "
         "the client's",
+    )
+    gateway.add_argument(
+        "--history",
+        choices=HISTORY_MODES,
+        default=GatewaySettings.history,
+        help="how a turn's prompt is built: tokens (the session's held tokens plus the new "
+        "messages: one sample per episode whatever the template does to history) or template "
+        "(the whole conversation rendered each turn); a session may choose its own",
     )
     gateway.add_argument(
         "--log-level",

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import secrets
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -34,6 +34,14 @@ from corral.gateway import constraints
 from corral.gateway.constraints import EngineConstraint, UnsupportedConstraint
 from corral.gateway.detokenize import IncrementalDetokenizer
 from corral.gateway.errors import GatewayError, bad_request, engine_error
+from corral.gateway.history import (
+    Continuation,
+    HeldConversation,
+    HistoryMode,
+    TokenHistory,
+    kwargs_key,
+    message_key,
+)
 from corral.gateway.parsers.reasoning import get_reasoning_parser
 from corral.gateway.parsers.tool_calls import (
     ContentDelta,
@@ -51,6 +59,7 @@ from corral.gateway.turns import (
     Finish,
     FinishName,
     LogprobsDelta,
+    Message,
     NamedTool,
     TextDelta,
     ThinkingDelta,
@@ -98,6 +107,11 @@ class PreparedTurn:
     # Sent with every engine request of the turn (the session id): a router in front of
     # several engines keeps a session on one (its KV/prefix cache stays warm).
     routing_key: str | None = None
+    # How the prompt was built, and why token history was not used when it was asked for.
+    history: HistoryMode = "template"
+    history_fallback: str | None = None
+    # The request's messages as the session compares them (history.message_key).
+    keys: tuple[Message, ...] = ()
     id: str = field(default_factory=new_turn_id)
     created: int = field(default_factory=now_s)
 
@@ -117,10 +131,12 @@ class _Output:
 
 @dataclass
 class Answer:
-    """A finished turn: the result the client received and the turns to record."""
+    """A finished turn: the result the client received, the turns to record and, one per
+    turn, the conversation a later request may continue."""
 
     result: TurnResult
     turns: list[TurnRecord]
+    conversations: list[HeldConversation]
 
 
 class TurnPipeline:
@@ -135,6 +151,7 @@ class TurnPipeline:
         self.tokenizer = tokenizer
         self.renderer = ChatRenderer(tokenizer, settings.chat_template_kwargs)
         self.encoder = PrefixEncoder(self.renderer)
+        self.history = TokenHistory(self.renderer)
         self.tool_parser = get_tool_call_parser(settings.tool_call_parser)
         self.reasoning_parser = get_reasoning_parser(settings.reasoning_parser)
         self._eos_ids = _eos_ids(tokenizer)
@@ -196,13 +213,32 @@ class TurnPipeline:
         messages = [m.template() for m in request.messages]
         tools = [t.template() for t in request.tools] or None
         kwargs = self.template_kwargs(request)
-        try:
-            text = self.renderer.render_text(messages, tools, kwargs)
-        except TemplateError as exc:
-            raise bad_request(str(exc), param="messages", code="template_error") from exc
-        # Only what is new since the session's earlier prompts is encoded (same ids as a
-        # full encoding, by construction: see PrefixEncoder).
-        prompt_ids = self.encoder.encode(text, session.held_prompts)
+        keys = tuple(message_key(m) for m in request.messages)
+        history: HistoryMode = "template"
+        fallback: str | None = None
+        continued: Continuation | None = None
+        if (session.options.history or self.settings.history) == "tokens":
+            outcome = self._continue(session, request, keys, messages, tools, kwargs)
+            if isinstance(outcome, str):
+                fallback = outcome
+            else:
+                continued = outcome
+        if continued is not None:
+            history = "tokens"
+            held = session.merger.trajectories[continued.trajectory].tokens
+            prompt_ids = held[: continued.held].tolist() + continued.suffix_ids
+            # Where the prompt ends tells whether the reply starts inside reasoning.
+            text = continued.suffix_text or str(
+                self.tokenizer.decode(prompt_ids[-16:], skip_special_tokens=False)
+            )
+        else:
+            try:
+                text = self.renderer.render_text(messages, tools, kwargs)
+            except TemplateError as exc:
+                raise bad_request(str(exc), param="messages", code="template_error") from exc
+            # Only what is new since the session's earlier prompts is encoded (same ids as a
+            # full encoding, by construction: see PrefixEncoder).
+            prompt_ids = self.encoder.encode(text, session.held_prompts)
         if len(prompt_ids) >= limit:
             raise bad_request(
                 f"the prompt has {len(prompt_ids)} tokens; this session's context holds at most "
@@ -223,7 +259,35 @@ class TurnPipeline:
             sampling=[],
             stops=[],
             routing_key=session.id,
+            history=history,
+            history_fallback=fallback,
+            keys=keys,
         )
+
+    def _continue(
+        self,
+        session: Session,
+        request: TurnRequest,
+        keys: tuple[Message, ...],
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        kwargs: dict[str, Any],
+    ) -> Continuation | str | None:
+        """The token-history prompt of ``request``; a reason (str) when the session holds
+        conversations of this kind but none could be continued; ``None`` for a first turn."""
+        match = session.conversations.find(keys, request.tools, kwargs_key(kwargs), request.label)
+        if match is None:
+            if any(t.label == request.label for t in session.merger.trajectories):
+                return (
+                    "the request resends no held conversation (its history was edited, "
+                    "truncated or compacted, or it is another conversation)"
+                )
+            return None
+        t = session.merger.trajectories[match.held.trajectory]
+        outcome = self.history.continuation(
+            match, t.tokens, t.last_finish_reason, messages, tools, kwargs
+        )
+        return outcome if isinstance(outcome, Continuation) else outcome.reason
 
     def prepare(self, session: Session, request: TurnRequest) -> PreparedTurn:
         """Check what the request asks against the session, render it, size the output.
@@ -386,7 +450,18 @@ class TurnPipeline:
                 completion_tokens=sum(len(o.output_ids) for o in outputs),
             ),
         )
-        return Answer(result=result, turns=self._turns(call, outputs))
+        conversations = [
+            HeldConversation(
+                trajectory=-1,  # set when the turn is recorded
+                keys=(*call.keys, message_key(_reply_message(o.choice))),
+                tools=call.request.tools,
+                kwargs=kwargs_key(call.template_kwargs),
+                label=call.request.label,
+                prompt_length=len(call.prompt_ids),
+            )
+            for o in outputs
+        ]
+        return Answer(result=result, turns=self._turns(call, outputs), conversations=conversations)
 
     def _finish_choice(
         self,
@@ -554,6 +629,8 @@ class TurnPipeline:
             metadata: dict[str, Any] = {"rid": o.rid, "finish_reason": o.choice.finish.reason}
             if o.parser_errors:
                 metadata["parser_errors"] = o.parser_errors
+            if call.history_fallback is not None:
+                metadata["history_fallback"] = call.history_fallback
             turns.append(
                 TurnRecord(
                     prompt_ids=call.prompt_ids,
@@ -569,6 +646,7 @@ class TurnPipeline:
                     choice_group=group,
                     metadata=metadata,
                     label=call.request.label,
+                    history=call.history,
                 )
             )
         return turns
@@ -576,8 +654,9 @@ class TurnPipeline:
     def commit(self, session: Session, answer: Answer) -> None:
         """Record a delivered answer. Raises ``SessionClosed`` (nothing recorded) when the
         session was deleted meanwhile."""
-        for turn in answer.turns:
-            session.record(turn)
+        for turn, held in zip(answer.turns, answer.conversations, strict=True):
+            decision = session.record(turn)
+            session.conversations.remember(replace(held, trajectory=decision.trajectory))
 
     async def _abort_all(self, rids: Sequence[str]) -> None:
         async def abort(rid: str) -> None:
@@ -712,6 +791,13 @@ def _finish(finish: FinishReason, has_tool_calls: bool, own_stop: str | None = N
     if matched == own_stop:
         matched = None
     return Finish(reason=reason, stop_sequence=matched or None)
+
+
+def _reply_message(choice: ChoiceResult) -> Message:
+    """The reply as the client will send it back in its next request's history."""
+    return Message(
+        "assistant", choice.content or "", tool_calls=choice.tool_calls, reasoning=choice.reasoning
+    )
 
 
 def _response_message(choice: ChoiceResult) -> dict[str, Any]:

@@ -72,6 +72,9 @@ class TurnRecord:
     # Marks a request outside the agent's main conversation (``"side"``: a title or summary
     # request); a labelled turn only ever extends a trajectory of the same label.
     label: str | None = None
+    # How the prompt was built: ``tokens`` (the held tokens plus a rendered suffix) or
+    # ``template`` (the whole conversation rendered); see corral.gateway.history.
+    history: str = "template"
 
     def __post_init__(self) -> None:
         if len(self.prompt_ids) == 0:
@@ -176,6 +179,7 @@ class TurnEntry:
     choice_group: str | None
     metadata: dict[str, Any]
     drift: DriftEvent | None
+    history: str = "template"
 
     def summary(self) -> dict[str, Any]:
         """JSON-ready view of the turn (for ``GET /sessions/{id}``)."""
@@ -193,6 +197,7 @@ class TurnEntry:
             "messages": self.messages,
             "response": self.response,
             "choice_group": self.choice_group,
+            "history": self.history,
             "metadata": self.metadata,
             "drift": None if self.drift is None else self.drift.to_dict(),
         }
@@ -207,6 +212,7 @@ class Trajectory:
 
     __slots__ = (
         "finish_reasons",
+        "history_modes",
         "index",
         "label",
         "log_probs",
@@ -231,6 +237,7 @@ class Trajectory:
         self.turns: list[int] = []  # indices of the merger's turns, in order
         self.weight_versions: list[str] = []  # per model turn
         self.finish_reasons: list[FinishReason] = []  # per model turn
+        self.history_modes: list[str] = []  # per model turn: how its prompt was built
         self.message_count = 0  # messages in the last turn's request, to find the new ones
         self.origin = origin
 
@@ -457,6 +464,7 @@ class TrajectoryMerger:
         t.turns.append(index)
         t.weight_versions.append(turn.weight_version)
         t.finish_reasons.append(turn.finish_reason)
+        t.history_modes.append(turn.history)
         t.message_count = len(turn.messages)
 
     @staticmethod
@@ -488,6 +496,7 @@ class TrajectoryMerger:
             choice_group=turn.choice_group,
             metadata=turn.metadata,
             drift=drift,
+            history=turn.history,
         )
 
     # -- drift ---------------------------------------------------------------------------
@@ -617,6 +626,9 @@ class TrajectoryMerger:
                     f"at token {position}: held {held_text!r} vs new {new_text!r} "
                     f"after {context!r}"
                 )
+        fallback = turn.metadata.get("history_fallback")
+        if isinstance(fallback, str):
+            explanation += f" (token history was not used for this turn: {fallback})"
         return DriftEvent(
             turn=index,
             reason=reason,

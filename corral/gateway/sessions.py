@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from corral.gateway.history import ConversationIndex, HistoryMode
 from corral.gateway.recording import (
     Decode,
     MergeDecision,
@@ -87,6 +88,8 @@ class SessionOptions(BaseModel):
     ``temperature, top_p, top_k, max_tokens, seed, stop``, and it is normalised to the keys
     actually set (``stop`` always a list). ``ttl_s`` (seconds after last use) defaults to the
     store's. ``group_index``/``index`` are carried into the samples; ``metadata`` too.
+    ``history``: ``tokens`` (a turn's prompt is the held tokens plus the new messages) or
+    ``template`` (the whole conversation rendered each turn); unset, the gateway's setting.
     ``side_requests``: whether trajectories of requests outside the agent's main conversation
     (labelled ``side``: Claude Code's title and summary requests) become samples.
     """
@@ -100,6 +103,8 @@ class SessionOptions(BaseModel):
     group_index: int | None = None
     index: int | None = None
     side_requests: Literal["include", "exclude"] = "include"
+    # How a turn's prompt is built (corral.gateway.history); None: the gateway's setting.
+    history: HistoryMode | None = None
 
     @field_validator("sampling", mode="before")
     @classmethod
@@ -155,6 +160,8 @@ class Session:
         # The pipeline's encoded prompts of this session (rendering.HeldPrompt), reused to
         # encode only what a new prompt adds.
         self.held_prompts: list[Any] = []
+        # Which trajectory a request continues, for token history.
+        self.conversations = ConversationIndex()
         self._replay_cache_size = replay_cache_size
         self._closed = False
         self._reward: float | None = None
@@ -184,6 +191,7 @@ class Session:
         self._replay.clear()
         self._kept.clear()
         self.held_prompts.clear()
+        self.conversations.clear()
 
     @property
     def merger(self) -> TrajectoryMerger:
@@ -290,6 +298,7 @@ class Session:
             turns=list(t.turns),
             weight_versions=list(t.weight_versions),
             finish_reasons=list(t.finish_reasons),
+            history_modes=list(t.history_modes),
             origin=t.origin,
             label=t.label,
             drift=None if first.drift is None else first.drift.to_dict(),
@@ -319,6 +328,12 @@ class Session:
             "forks": counts.forks,
             "by_reason": counts.by_reason,
             "events": [e.to_dict() for e in self._merger.drift_events()],
+            # Turns of a token-history session rendered in full instead, and why.
+            "history_fallbacks": [
+                {"turn": t.index, "reason": t.metadata["history_fallback"]}
+                for t in self._merger.turns
+                if "history_fallback" in t.metadata
+            ],
         }
 
     def view(self) -> dict[str, Any]:

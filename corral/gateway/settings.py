@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from corral.gateway.history import HistoryMode
+
 # The template variables clients may set unless the operator says otherwise.
 DEFAULT_CLIENT_TEMPLATE_KWARGS = frozenset({"enable_thinking"})
 
@@ -21,6 +23,10 @@ class GatewaySettings:
     # The template variables a client may set per request (``chat_template_kwargs``); the
     # template itself is never the client's.
     client_template_kwargs: frozenset[str] = DEFAULT_CLIENT_TEMPLATE_KWARGS
+    # How a turn's prompt is built unless its session says (corral.gateway.history): the held
+    # tokens plus the new messages, so an episode is one sample whatever the template does to
+    # history; ``template`` renders the whole conversation each turn.
+    history: HistoryMode = "tokens"
     admin_token: str | None = None
     max_sessions: int = 10_000
     max_held_tokens: int = 200_000_000

@@ -1,0 +1,294 @@
+"""Token history: a session's next prompt as the tokens it already holds plus only what is new.
+
+A chat template re-renders the whole conversation on every turn, and many templates render
+history differently from what the model produced (Qwen3 drops the think block of an earlier
+answer; a model may also sample a tokenization of its text that re-encoding would not give).
+Then the new prompt no longer extends the held tokens, and the session's turns split into
+several samples, each repeating the context. With ``history = "tokens"`` the gateway instead
+builds the prompt as
+
+    the held trajectory's tokens (every prompt and output token, exactly as the engine saw and
+    produced them) + the template's *suffix*: its glue after the model's last token, then the
+    new messages (tool results, the next user message) and the generation prompt
+
+so the model sees its own earlier tokens and every turn appends to one sample.
+
+Finding the suffix is checked, never guessed (:meth:`TokenHistory.continuation`):
+
+1. *prefix*: the held conversation rendered on its own is a prefix of the whole request's
+   rendering; the suffix is the rest.
+2. *isolated*: the new messages rendered after a small probe conversation (the request's system
+   message, a probe question, maybe a probe reply) give a text that the whole request's
+   rendering ends with, right after the template's close of an assistant message.
+3. Otherwise the turn is rendered in full (``template`` history for that turn) and the reason
+   is recorded (the drift report lists it).
+
+Which held conversation a request continues is decided on messages (:class:`ConversationIndex`):
+the request must resend a trajectory's last request and the reply it got, with the same tools and
+template variables. The reply is compared on what the model's tokens carry (its text and its
+calls' names and arguments as JSON values), not on call ids or reasoning, which clients drop or
+rewrite; anything else (an edited, truncated or compacted history, a sub-agent) starts a new
+trajectory, as under ``template`` history.
+
+Pure: no I/O, no engine, no HTTP. Not thread-safe (the gateway calls it from one event loop, or
+from one worker thread per request).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from corral.gateway.rendering import ChatRenderer, TemplateError
+from corral.gateway.turns import Message, Tool, ToolCall
+
+HistoryMode = Literal["tokens", "template"]
+HISTORY_MODES: tuple[HistoryMode, ...] = ("tokens", "template")
+Boundary = Literal["prefix", "isolated", "repeat"]
+
+# Conversations remembered per session (the most recently continued ones): a client continues
+# one of its latest; an old branch that comes back is rendered in full.
+KEPT_CONVERSATIONS = 16
+
+# The probe conversation that tells where the template closes an assistant message, and after
+# which new messages are rendered on their own. Distinctive text that no template rewrites.
+_PROBE_QUESTION = "corral probe: the question"
+_PROBE_REPLY = "corral probe: the reply"
+
+
+def message_key(message: Message) -> Message:
+    """What a message is compared on when deciding whether a request resends a held
+    conversation: everything, except for an assistant message only its text and its calls'
+    names and arguments (parsed JSON, so ``{"a": 1}`` and ``{"a":1}`` are one call)."""
+    if message.role != "assistant":
+        return message
+    return Message(
+        role="assistant",
+        content=message.content,
+        tool_calls=tuple(
+            ToolCall(id="", name=c.name, arguments=_canonical_json(c.arguments))
+            for c in message.tool_calls
+        ),
+    )
+
+
+def _canonical_json(text: str) -> str:
+    try:
+        return json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"))
+    except (json.JSONDecodeError, RecursionError):
+        return text
+
+
+def kwargs_key(kwargs: dict[str, Any]) -> str:
+    """Template variables as one comparable string."""
+    return json.dumps(kwargs, sort_keys=True, default=repr)
+
+
+@dataclass(frozen=True, slots=True)
+class HeldConversation:
+    """What a trajectory's last turn leaves for a later request to continue.
+
+    ``keys`` are :func:`message_key` of that turn's request messages followed by the reply it
+    got; ``prompt_length`` is the token count of that turn's prompt (a request that resends the
+    same messages again, a regeneration, gets that prompt again).
+    """
+
+    trajectory: int
+    keys: tuple[Message, ...]
+    tools: tuple[Tool, ...]
+    kwargs: str
+    label: str | None
+    prompt_length: int
+
+
+@dataclass(frozen=True, slots=True)
+class HeldMatch:
+    """A request resends ``held`` and adds the messages from index ``length`` on (``repeat``:
+    it resends that turn's request exactly, without the reply)."""
+
+    held: HeldConversation
+    length: int
+    repeat: bool = False
+
+
+class ConversationIndex:
+    """A session's held conversations, one per trajectory, the most recently used first.
+
+    Bounded to ``keep`` conversations; forgetting one only means a request continuing it is
+    rendered in full.
+    """
+
+    def __init__(self, keep: int = KEPT_CONVERSATIONS) -> None:
+        self.keep = keep
+        self._held: OrderedDict[int, HeldConversation] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def clear(self) -> None:
+        self._held.clear()
+
+    def remember(self, held: HeldConversation) -> None:
+        self._held[held.trajectory] = held
+        self._held.move_to_end(held.trajectory, last=False)
+        while len(self._held) > self.keep:
+            self._held.popitem(last=True)
+
+    def find(
+        self,
+        keys: Sequence[Message],
+        tools: Sequence[Tool],
+        kwargs: str,
+        label: str | None,
+    ) -> HeldMatch | None:
+        """The held conversation that ``keys`` (a request's :func:`message_key` s) resends, the
+        longest one on a tie; ``None`` when the request continues none of them."""
+        best: HeldMatch | None = None
+        tools = tuple(tools)
+        for held in self._held.values():
+            if held.label != label or held.kwargs != kwargs or held.tools != tools:
+                continue
+            n = len(held.keys)
+            if best is not None and n <= best.length:
+                continue
+            if len(keys) >= n and tuple(keys[:n]) == held.keys:
+                best = HeldMatch(held, n)
+            elif best is None and len(keys) == n - 1 and tuple(keys) == held.keys[:-1]:
+                best = HeldMatch(held, n - 1, repeat=True)
+        return best
+
+
+@dataclass(frozen=True, slots=True)
+class Continuation:
+    """The next prompt under token history: ``held`` tokens of the trajectory, then
+    ``suffix_ids`` (the encoding of ``suffix_text``). ``boundary`` says how the suffix was
+    found."""
+
+    trajectory: int
+    held: int
+    suffix_text: str
+    suffix_ids: list[int]
+    boundary: Boundary
+
+
+@dataclass(frozen=True, slots=True)
+class Fallback:
+    """No sound suffix: the turn is rendered in full, for this ``reason``."""
+
+    reason: str
+
+
+class TokenHistory:
+    """Finds the suffix that continues held tokens, with one tokenizer's chat template."""
+
+    def __init__(self, renderer: ChatRenderer) -> None:
+        self.renderer = renderer
+        decoder = getattr(renderer.tokenizer, "added_tokens_decoder", {}) or {}
+        self._special = {i: t.content for i, t in decoder.items() if t.special}
+        self._closes: dict[str, str | None] = {}
+
+    def close(self, kwargs: dict[str, Any]) -> str | None:
+        """The text the template writes after an assistant message's content (``<|im_end|>\\n``
+        for ChatML), found by rendering a probe reply; ``None`` when the template refuses it."""
+        key = kwargs_key(kwargs)
+        if key not in self._closes:
+            try:
+                text = self.renderer.render_text(
+                    [
+                        {"role": "user", "content": _PROBE_QUESTION},
+                        {"role": "assistant", "content": _PROBE_REPLY},
+                    ],
+                    None,
+                    kwargs,
+                    add_generation_prompt=False,
+                )
+            except TemplateError:
+                self._closes[key] = None
+            else:
+                at = text.rfind(_PROBE_REPLY)
+                self._closes[key] = None if at < 0 else text[at + len(_PROBE_REPLY) :]
+        return self._closes[key]
+
+    def glue(self, close: str, last_token: int, finish: str) -> str:
+        """What follows the model's last token: the template's close, less the end token the
+        model sampled itself (``<|im_end|>``) when it ended on it."""
+        end = self._special.get(last_token)
+        if finish == "stop" and end is not None and close.startswith(end):
+            return close[len(end) :]
+        return close
+
+    def continuation(
+        self,
+        match: HeldMatch,
+        held_tokens: Sequence[int],
+        last_finish: str,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        kwargs: dict[str, Any],
+    ) -> Continuation | Fallback:
+        """The suffix that continues ``held_tokens`` (the trajectory's tokens; ``last_finish`` its
+        last turn's finish reason) with ``messages`` (the whole request, template form), whose
+        first ``match.length`` resend the held conversation. Never raises: a template that fails
+        on a probe is a :class:`Fallback`."""
+        trajectory = match.held.trajectory
+        if match.repeat:
+            return Continuation(trajectory, match.held.prompt_length, "", [], "repeat")
+        close = self.close(kwargs)
+        if close is None:
+            return Fallback(
+                "the template does not render a probe reply: where a reply ends is unknown"
+            )
+        held, new = messages[: match.length], messages[match.length :]
+        try:
+            full = self.renderer.render_text(messages, tools, kwargs)
+            head = self.renderer.render_text(held, tools, kwargs, add_generation_prompt=False)
+        except TemplateError as exc:
+            return Fallback(f"the template failed on the held conversation: {exc}")
+        boundary: Boundary = "prefix"
+        if full.startswith(head) and head.endswith(close):
+            suffix = full[len(head) :]
+        else:
+            found = self._isolated(messages, new, tools, kwargs, full, close)
+            if found is None:
+                return Fallback(
+                    "the template renders the held conversation differently once new messages "
+                    "follow it, and renders the new messages differently on their own: no sound "
+                    "boundary"
+                )
+            suffix, boundary = found, "isolated"
+        text = self.glue(close, int(held_tokens[-1]), last_finish) + suffix
+        return Continuation(
+            trajectory, len(held_tokens), text, self.renderer.encode(text), boundary
+        )
+
+    def _isolated(
+        self,
+        messages: list[dict[str, Any]],
+        new: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        kwargs: dict[str, Any],
+        full: str,
+        close: str,
+    ) -> str | None:
+        """The new messages rendered after a probe conversation, if the whole request's
+        rendering ends with exactly that text right after an assistant message's close."""
+        base = [messages[0]] if messages and messages[0].get("role") == "system" else []
+        question = {"role": "user", "content": _PROBE_QUESTION}
+        reply = {"role": "assistant", "content": _PROBE_REPLY}
+        # After a reply first (the new messages follow one); after a question when the
+        # template rewrites a reply that is no longer last.
+        for probe in ([*base, question, reply], [*base, question]):
+            try:
+                head = self.renderer.render_text(probe, tools, kwargs, add_generation_prompt=False)
+                text = self.renderer.render_text([*probe, *new], tools, kwargs)
+            except TemplateError:
+                continue
+            if not text.startswith(head):
+                continue
+            suffix = text[len(head) :]
+            if full.endswith(suffix) and full[: len(full) - len(suffix)].endswith(close):
+                return suffix
+        return None
