@@ -11,7 +11,7 @@ from corral.cli.errors import CliError, RunError, UsageError
 if TYPE_CHECKING:
     from corral.adapters.gateway_admin import GatewayAdmin, GatewayAdminError
 
-MODEL_FIX = "--model takes a local Hugging Face folder (`corral model tiny OUT` builds one)"
+MODEL_FIX = "{option} takes a local Hugging Face folder (`corral model tiny OUT` builds one)"
 # Any of these makes a folder's tokenizer loadable by transformers' AutoTokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # An id no session ever has: asking for it answers 401 (token refused) before 404 (no such
@@ -20,18 +20,20 @@ _PROBE_SESSION = "corral-cli-probe"
 _NOT_A_GATEWAY = "Is --gateway the URL of `corral gateway`?"
 
 
-def model_folder(path: str | Path) -> Path:
+def model_folder(path: str | Path, option: str = "--model") -> Path:
     """``path`` when it is a Hugging Face model folder (config.json and a tokenizer); a
-    UsageError otherwise, never the hub's "Repo id" message for a path that is not there."""
+    UsageError otherwise (naming ``option``, where the path came from), never the hub's
+    "Repo id" message for a path that is not there."""
     folder = Path(path)
+    fix = MODEL_FIX.format(option=option)
     if not folder.is_dir():
-        raise UsageError(f"no model folder at {folder}: {MODEL_FIX}")
+        raise UsageError(f"no model folder at {folder}: {fix}")
     if not (folder / "config.json").is_file():
-        raise UsageError(f"{folder} is not a model folder (it has no config.json): {MODEL_FIX}")
+        raise UsageError(f"{folder} is not a model folder (it has no config.json): {fix}")
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise UsageError(
             f"{folder} is not a model folder (it has no tokenizer: none of "
-            f"{', '.join(TOKENIZER_FILES)}): {MODEL_FIX}"
+            f"{', '.join(TOKENIZER_FILES)}): {fix}"
         )
     return folder
 

@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from corral.gateway.recording import Trajectory
 from corral.gateway.rendering import ChatRenderer, TemplateError
 from corral.gateway.turns import Message, Tool, ToolCall
 
@@ -52,6 +53,12 @@ Boundary = Literal["prefix", "isolated", "repeat"]
 # Conversations remembered per session (the most recently continued ones): a client continues
 # one of its latest; an old branch that comes back is rendered in full.
 KEPT_CONVERSATIONS = 16
+
+# Why a request of a session that holds conversations is rendered in full.
+NO_HELD_CONVERSATION = (
+    "the request resends no held conversation (its history was edited, truncated or compacted, "
+    "or it is another conversation)"
+)
 
 # The probe conversation that tells where the template closes an assistant message, and after
 # which new messages are rendered on their own. Distinctive text that no template rewrites.
@@ -175,6 +182,14 @@ class Continuation:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenPrompt:
+    """A prompt built under token history: its ids and how."""
+
+    ids: list[int]
+    continuation: Continuation
+
+
+@dataclass(frozen=True, slots=True)
 class Fallback:
     """No sound suffix: the turn is rendered in full, for this ``reason``."""
 
@@ -219,6 +234,38 @@ class TokenHistory:
         if finish == "stop" and end is not None and close.startswith(end):
             return close[len(end) :]
         return close
+
+    def prompt(
+        self,
+        conversations: ConversationIndex,
+        trajectories: Sequence[Trajectory],
+        request: Sequence[Message],
+        tools: Sequence[Tool],
+        kwargs: dict[str, Any],
+        label: str | None,
+    ) -> TokenPrompt | str | None:
+        """The token-history prompt of a request (its ``request`` messages under ``tools`` and
+        template variables ``kwargs``) in a session holding ``trajectories`` and
+        ``conversations``. A reason (str) when the session holds trajectories of this
+        ``label`` but none could be continued; ``None`` when it holds none (a first turn)."""
+        keys = tuple(message_key(m) for m in request)
+        match = conversations.find(keys, tools, kwargs_key(kwargs), label)
+        if match is None:
+            if any(t.label == label for t in trajectories):
+                return NO_HELD_CONVERSATION
+            return None
+        t = trajectories[match.held.trajectory]
+        outcome = self.continuation(
+            match,
+            t.tokens,
+            t.last_finish_reason,
+            [m.template() for m in request],
+            [tool.template() for tool in tools] or None,
+            kwargs,
+        )
+        if isinstance(outcome, Fallback):
+            return outcome.reason
+        return TokenPrompt(t.tokens[: outcome.held].tolist() + outcome.suffix_ids, outcome)
 
     def continuation(
         self,

@@ -35,10 +35,10 @@ from corral.gateway.constraints import EngineConstraint, UnsupportedConstraint
 from corral.gateway.detokenize import IncrementalDetokenizer
 from corral.gateway.errors import GatewayError, bad_request, engine_error
 from corral.gateway.history import (
-    Continuation,
     HeldConversation,
     HistoryMode,
     TokenHistory,
+    TokenPrompt,
     kwargs_key,
     message_key,
 )
@@ -213,25 +213,27 @@ class TurnPipeline:
         messages = [m.template() for m in request.messages]
         tools = [t.template() for t in request.tools] or None
         kwargs = self.template_kwargs(request)
-        keys = tuple(message_key(m) for m in request.messages)
         history: HistoryMode = "template"
         fallback: str | None = None
-        continued: Continuation | None = None
+        built: TokenPrompt | str | None = None
         if (session.options.history or self.settings.history) == "tokens":
-            outcome = self._continue(session, request, keys, messages, tools, kwargs)
-            if isinstance(outcome, str):
-                fallback = outcome
-            else:
-                continued = outcome
-        if continued is not None:
+            built = self.history.prompt(
+                session.conversations,
+                session.merger.trajectories,
+                request.messages,
+                request.tools,
+                kwargs,
+                request.label,
+            )
+        if isinstance(built, TokenPrompt):
             history = "tokens"
-            held = session.merger.trajectories[continued.trajectory].tokens
-            prompt_ids = held[: continued.held].tolist() + continued.suffix_ids
+            prompt_ids = built.ids
             # Where the prompt ends tells whether the reply starts inside reasoning.
-            text = continued.suffix_text or str(
+            text = built.continuation.suffix_text or str(
                 self.tokenizer.decode(prompt_ids[-16:], skip_special_tokens=False)
             )
         else:
+            fallback = built
             try:
                 text = self.renderer.render_text(messages, tools, kwargs)
             except TemplateError as exc:
@@ -261,33 +263,8 @@ class TurnPipeline:
             routing_key=session.id,
             history=history,
             history_fallback=fallback,
-            keys=keys,
+            keys=tuple(message_key(m) for m in request.messages),
         )
-
-    def _continue(
-        self,
-        session: Session,
-        request: TurnRequest,
-        keys: tuple[Message, ...],
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None,
-        kwargs: dict[str, Any],
-    ) -> Continuation | str | None:
-        """The token-history prompt of ``request``; a reason (str) when the session holds
-        conversations of this kind but none could be continued; ``None`` for a first turn."""
-        match = session.conversations.find(keys, request.tools, kwargs_key(kwargs), request.label)
-        if match is None:
-            if any(t.label == request.label for t in session.merger.trajectories):
-                return (
-                    "the request resends no held conversation (its history was edited, "
-                    "truncated or compacted, or it is another conversation)"
-                )
-            return None
-        t = session.merger.trajectories[match.held.trajectory]
-        outcome = self.history.continuation(
-            match, t.tokens, t.last_finish_reason, messages, tools, kwargs
-        )
-        return outcome if isinstance(outcome, Continuation) else outcome.reason
 
     def prepare(self, session: Session, request: TurnRequest) -> PreparedTurn:
         """Check what the request asks against the session, render it, size the output.
