@@ -95,30 +95,65 @@ def kwargs_key(kwargs: dict[str, Any]) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class HeldConversation:
-    """What a trajectory's last turn leaves for a later request to continue.
+class HeldPoint:
+    """A place in a trajectory that a later request may continue from: after the first ``keys``
+    messages of its conversation, which are its first ``tokens`` tokens. ``reply``: right after
+    a model reply (``finish`` says how it ended), where new messages may follow; otherwise right
+    after a request, which the same request again (a regeneration) gets as its prompt."""
 
-    ``keys`` are :func:`message_key` of that turn's request messages followed by the reply it
-    got; ``prompt_length`` is the token count of that turn's prompt (a request that resends the
-    same messages again, a regeneration, gets that prompt again).
-    """
+    keys: int
+    tokens: int
+    reply: bool
+    finish: str = "stop"
+
+
+@dataclass(frozen=True, slots=True)
+class TurnConversation:
+    """What one recorded turn leaves: the :func:`message_key` s of its request followed by its
+    reply, under which tools, template variables and label; its prompt and output lengths."""
+
+    keys: tuple[Message, ...]
+    tools: tuple[Tool, ...]
+    kwargs: str
+    label: str | None
+    prompt_length: int
+    output_length: int
+    finish: str
+
+    def points(self) -> tuple[HeldPoint, HeldPoint]:
+        request = HeldPoint(len(self.keys) - 1, self.prompt_length, reply=False)
+        end = self.prompt_length + self.output_length
+        return request, HeldPoint(len(self.keys), end, reply=True, finish=self.finish)
+
+
+@dataclass(frozen=True, slots=True)
+class HeldConversation:
+    """A trajectory's conversation (``keys``: its last turn's request and reply) and the points
+    of it a request may continue from, in order."""
 
     trajectory: int
     keys: tuple[Message, ...]
     tools: tuple[Tool, ...]
     kwargs: str
     label: str | None
-    prompt_length: int
+    points: tuple[HeldPoint, ...]
 
 
 @dataclass(frozen=True, slots=True)
 class HeldMatch:
-    """A request resends ``held`` and adds the messages from index ``length`` on (``repeat``:
-    it resends that turn's request exactly, without the reply)."""
+    """A request resends ``held`` up to ``point`` and adds the messages from ``length`` on
+    (``repeat``: it resends a turn's request exactly, without the reply)."""
 
     held: HeldConversation
-    length: int
-    repeat: bool = False
+    point: HeldPoint
+
+    @property
+    def length(self) -> int:
+        return self.point.keys
+
+    @property
+    def repeat(self) -> bool:
+        return not self.point.reply
 
 
 class ConversationIndex:
@@ -138,9 +173,22 @@ class ConversationIndex:
     def clear(self) -> None:
         self._held.clear()
 
-    def remember(self, held: HeldConversation) -> None:
-        self._held[held.trajectory] = held
-        self._held.move_to_end(held.trajectory, last=False)
+    def record(self, trajectory: int, appended: bool, turn: TurnConversation) -> None:
+        """Remember ``turn`` on ``trajectory``: added to its points when it was appended to it
+        and resends its conversation, else as the trajectory's only turn."""
+        old = self._held.get(trajectory)
+        points: tuple[HeldPoint, ...] = turn.points()
+        if (
+            appended
+            and old is not None
+            and (old.tools, old.kwargs, old.label) == (turn.tools, turn.kwargs, turn.label)
+            and turn.keys[: len(old.keys)] == old.keys
+        ):
+            points = (*old.points, *points)
+        self._held[trajectory] = HeldConversation(
+            trajectory, turn.keys, turn.tools, turn.kwargs, turn.label, points
+        )
+        self._held.move_to_end(trajectory, last=False)
         while len(self._held) > self.keep:
             self._held.popitem(last=True)
 
@@ -151,21 +199,43 @@ class ConversationIndex:
         kwargs: str,
         label: str | None,
     ) -> HeldMatch | None:
-        """The held conversation that ``keys`` (a request's :func:`message_key` s) resends, the
-        longest one on a tie; ``None`` when the request continues none of them."""
+        """The furthest point of a held conversation that ``keys`` (a request's
+        :func:`message_key` s) resends: a reply the request adds messages after, or a request
+        it repeats exactly; on a tie a reply, then the most recently used conversation.
+        ``None`` when the request continues none of them."""
         best: HeldMatch | None = None
         tools = tuple(tools)
         for held in self._held.values():
             if held.label != label or held.kwargs != kwargs or held.tools != tools:
                 continue
-            n = len(held.keys)
-            if best is not None and n <= best.length:
-                continue
-            if len(keys) >= n and tuple(keys[:n]) == held.keys:
-                best = HeldMatch(held, n)
-            elif best is None and len(keys) == n - 1 and tuple(keys) == held.keys[:-1]:
-                best = HeldMatch(held, n - 1, repeat=True)
+            shared = _shared(keys, held.keys)
+            for point in reversed(held.points):
+                fits = point.keys <= shared and (point.reply or point.keys == len(keys))
+                if not fits:
+                    continue
+                better = (
+                    best is None
+                    or point.keys > best.length
+                    or (point.keys == best.length and point.reply and best.repeat)
+                )
+                if better:
+                    best = HeldMatch(held, point)
+                break  # points are in order: the first that fits is this one's furthest
         return best
+
+    def shared(self, keys: Sequence[Message], label: str | None) -> int:
+        """The most leading messages ``keys`` shares with a held conversation of ``label``."""
+        return max(
+            (_shared(keys, h.keys) for h in self._held.values() if h.label == label), default=0
+        )
+
+
+def _shared(a: Sequence[Message], b: Sequence[Message]) -> int:
+    """How many leading messages two conversations share."""
+    n = min(len(a), len(b))
+    if tuple(a[:n]) == tuple(b[:n]):
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,14 +321,13 @@ class TokenHistory:
         keys = tuple(message_key(m) for m in request)
         match = conversations.find(keys, tools, kwargs_key(kwargs), label)
         if match is None:
-            if any(t.label == label for t in trajectories):
-                return NO_HELD_CONVERSATION
-            return None
+            # A request that shares not even its first message with what is held is another
+            # conversation (a sub-agent, a side task), not a history that failed to match.
+            return NO_HELD_CONVERSATION if conversations.shared(keys, label) > 0 else None
         t = trajectories[match.held.trajectory]
         outcome = self.continuation(
             match,
             t.tokens,
-            t.last_finish_reason,
             [m.template() for m in request],
             [tool.template() for tool in tools] or None,
             kwargs,
@@ -270,19 +339,18 @@ class TokenHistory:
     def continuation(
         self,
         match: HeldMatch,
-        held_tokens: Sequence[int],
-        last_finish: str,
+        tokens: Sequence[int],
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
         kwargs: dict[str, Any],
     ) -> Continuation | Fallback:
-        """The suffix that continues ``held_tokens`` (the trajectory's tokens; ``last_finish`` its
-        last turn's finish reason) with ``messages`` (the whole request, template form), whose
-        first ``match.length`` resend the held conversation. Never raises: a template that fails
-        on a probe is a :class:`Fallback`."""
-        trajectory = match.held.trajectory
+        """The suffix that continues the first ``match.point.tokens`` of ``tokens`` (the
+        trajectory's) with ``messages`` (the whole request, template form), whose first
+        ``match.length`` resend the held conversation. Never raises: a template that fails on a
+        probe is a :class:`Fallback`."""
+        trajectory, point = match.held.trajectory, match.point
         if match.repeat:
-            return Continuation(trajectory, match.held.prompt_length, "", [], "repeat")
+            return Continuation(trajectory, point.tokens, "", [], "repeat")
         close = self.close(kwargs)
         if close is None:
             return Fallback(
@@ -306,10 +374,8 @@ class TokenHistory:
                     "boundary"
                 )
             suffix, boundary = found, "isolated"
-        text = self.glue(close, int(held_tokens[-1]), last_finish) + suffix
-        return Continuation(
-            trajectory, len(held_tokens), text, self.renderer.encode(text), boundary
-        )
+        text = self.glue(close, int(tokens[point.tokens - 1]), point.finish) + suffix
+        return Continuation(trajectory, point.tokens, text, self.renderer.encode(text), boundary)
 
     def _isolated(
         self,

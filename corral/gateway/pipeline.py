@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import secrets
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -35,10 +35,10 @@ from corral.gateway.constraints import EngineConstraint, UnsupportedConstraint
 from corral.gateway.detokenize import IncrementalDetokenizer
 from corral.gateway.errors import GatewayError, bad_request, engine_error
 from corral.gateway.history import (
-    HeldConversation,
     HistoryMode,
     TokenHistory,
     TokenPrompt,
+    TurnConversation,
     kwargs_key,
     message_key,
 )
@@ -136,7 +136,7 @@ class Answer:
 
     result: TurnResult
     turns: list[TurnRecord]
-    conversations: list[HeldConversation]
+    conversations: list[TurnConversation]
 
 
 class TurnPipeline:
@@ -174,6 +174,9 @@ class TurnPipeline:
         if session.options.max_context_tokens is not None:
             limit = min(limit, session.options.max_context_tokens)
         return limit
+
+    def history_mode(self, session: Session) -> HistoryMode:
+        return session.options.history or self.settings.history
 
     def template_kwargs(self, request: TurnRequest) -> dict[str, Any]:
         """The client's template variables (allow-listed) plus the thinking switch.
@@ -216,7 +219,7 @@ class TurnPipeline:
         history: HistoryMode = "template"
         fallback: str | None = None
         built: TokenPrompt | str | None = None
-        if (session.options.history or self.settings.history) == "tokens":
+        if self.history_mode(session) == "tokens":
             built = self.history.prompt(
                 session.conversations,
                 session.merger.trajectories,
@@ -224,6 +227,13 @@ class TurnPipeline:
                 request.tools,
                 kwargs,
                 request.label,
+            )
+        if isinstance(built, TokenPrompt) and len(built.ids) >= limit:
+            # Held tokens may be longer than the template's rendering (kept think blocks):
+            # the turn may still fit rendered in full.
+            built = (
+                f"the held tokens and the new messages ({len(built.ids)} tokens) do not fit "
+                f"this session's context of {limit} tokens"
             )
         if isinstance(built, TokenPrompt):
             history = "tokens"
@@ -428,13 +438,14 @@ class TurnPipeline:
             ),
         )
         conversations = [
-            HeldConversation(
-                trajectory=-1,  # set when the turn is recorded
+            TurnConversation(
                 keys=(*call.keys, message_key(_reply_message(o.choice))),
                 tools=call.request.tools,
                 kwargs=kwargs_key(call.template_kwargs),
                 label=call.request.label,
                 prompt_length=len(call.prompt_ids),
+                output_length=len(o.output_ids),
+                finish=o.engine_finish.type,
             )
             for o in outputs
         ]
@@ -631,9 +642,12 @@ class TurnPipeline:
     def commit(self, session: Session, answer: Answer) -> None:
         """Record a delivered answer. Raises ``SessionClosed`` (nothing recorded) when the
         session was deleted meanwhile."""
-        for turn, held in zip(answer.turns, answer.conversations, strict=True):
+        tokens = self.history_mode(session) == "tokens"
+        for turn, conversation in zip(answer.turns, answer.conversations, strict=True):
             decision = session.record(turn)
-            session.conversations.remember(replace(held, trajectory=decision.trajectory))
+            if tokens:
+                appended = decision.action == "append"
+                session.conversations.record(decision.trajectory, appended, conversation)
 
     async def _abort_all(self, rids: Sequence[str]) -> None:
         async def abort(rid: str) -> None:

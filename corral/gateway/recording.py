@@ -278,6 +278,7 @@ class Trajectory:
             "response_length": self.response_length,
             "model_tokens": self.loss_mask.count(1),
             "turns": list(self.turns),
+            "history_modes": list(self.history_modes),
         }
 
 

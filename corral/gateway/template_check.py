@@ -40,10 +40,10 @@ from corral.gateway.history import (
     HISTORY_MODES,
     Continuation,
     ConversationIndex,
-    HeldConversation,
     HistoryMode,
     TokenHistory,
     TokenPrompt,
+    TurnConversation,
     kwargs_key,
     message_key,
 )
@@ -489,16 +489,16 @@ class _Checker:
             mismatch = None if continued is None else _held_mismatch(prompt, previous)
             decision = merger.add(self._record(shape, turn, prompt, "tokens", fallback))
             keys = _keys(shape.messages[: turn.index + 1])
-            held.remember(
-                HeldConversation(
-                    decision.trajectory,
-                    keys,
-                    shape.tools,
-                    kwargs_key(shape.kwargs),
-                    None,
-                    len(prompt),
-                )
+            turn_conversation = TurnConversation(
+                keys,
+                shape.tools,
+                kwargs_key(shape.kwargs),
+                None,
+                len(prompt),
+                len(turn.output_ids),
+                "stop",
             )
+            held.record(decision.trajectory, decision.action == "append", turn_conversation)
             previous = [*prompt, *turn.output_ids]
             drift = None if decision.drift is None else decision.drift.explanation
             boundary = None if continued is None else continued.boundary
