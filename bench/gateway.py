@@ -33,18 +33,36 @@ Every number is a ratio against a baseline measured in the same run (these machi
    one tool result per turn. Each request runs alone between two idle points of the gateway,
    so its CPU (schedstat, as above; the recording after the answer included) is its own; the
    median over the sessions is reported at turns 1, 32 and 128 (turn 1 encodes the whole
-   prompt; later turns only what is new, :class:`corral.gateway.rendering.PrefixEncoder`).
+   prompt; later turns only what is new). The sessions use the gateway's default history mode
+   (``GatewaySettings.history``); part 4 compares the two.
 3. Memory per held session (RSS of the dialect gateway before and after filling sessions).
+4. History modes. Per tiny template (``cached_tiny_model("qwen25"|"qwen3", imprint=False)``:
+   only the tokenizer and template matter here), a stand-in gateway as in part 2 plays coding
+   sessions of 128 turns (Chat Completions, the whole conversation resent each turn plus a
+   tool result of 400 characters) with the session option ``history`` set to ``template``
+   (the whole conversation rendered and encoded, reusing the encoding of earlier prompts:
+   :class:`corral.gateway.rendering.PrefixEncoder`) and to ``tokens`` (the held tokens plus a
+   rendered suffix: :mod:`corral.gateway.history`), turn by turn in lockstep. The Qwen3-style
+   template gets ``chat_template_kwargs {"enable_thinking": false}``: its generation prompt
+   holds an empty think block that its rendering of history drops. Gateway CPU per request is
+   measured as in part 2 (schedstat between idle points: parse, render, the engine call,
+   recording); per reported turn (1, 32, 128) the median over the sessions and the turns
+   within 2 of it (turn 1 alone), and the median of the per-turn ratios tokens / template.
+   After the last turn: samples per session (one per trajectory) and the turns built from held
+   tokens.
 
 Last, the targets, each PASS or FAIL (the exit status is 1 when one fails): the same engine
 prompt ids in every dialect; per dialect and mode, added latency p50 at most 1 ms (at the lowest
 concurrency) and a throughput ratio of at least 0.9 (at the highest); every dialect's CPU per
 turn within 10% of Chat Completions' (over all levels, per mode); a long session's CPU at its
-last reported turn within 20% of turn 1's.
+last reported turn within 20% of turn 1's; under token history every session ends as 1 sample,
+under template history too with the Qwen 2.5-style template and as more than 1 with the
+Qwen3-style one (else part 4 is not measuring what it says).
 
-``--quick`` (about 2 minutes on 2 cores): 1 and 16 sessions, 80 turns per path and level, 2 long
-sessions per dialect, a small memory fill. The default (7-10 minutes): 1 and 64 sessions, 400
-turns, 8 long sessions per dialect.
+``--quick`` (about 4 minutes on 2 cores): 1 and 16 sessions, 80 turns per path and level, 2 long
+sessions per dialect, a small memory fill, 1 history session per mode and template. The default
+(12-15 minutes): 1 and 64 sessions, 400 turns, 8 long sessions per dialect, 3 history sessions.
+``--only-history`` runs part 4 alone.
 
 The load generator is aiohttp (httpx costs several ms of client CPU per request on these
 cores); request bodies are serialised before the clock starts.
@@ -753,9 +771,11 @@ def serve_stand_in(model: str, port: int) -> None:
 # ---- requests --------------------------------------------------------------------------------
 
 
-async def new_session(http: aiohttp.ClientSession, gateway: str) -> dict[str, Any]:
+async def new_session(
+    http: aiohttp.ClientSession, gateway: str, options: dict[str, Any] | None = None
+) -> dict[str, Any]:
     async with http.post(
-        f"{gateway}/sessions", json={}, headers={"Authorization": f"Bearer {ADMIN}"}
+        f"{gateway}/sessions", json=options or {}, headers={"Authorization": f"Bearer {ADMIN}"}
     ) as r:
         r.raise_for_status()
         return dict(await r.json())
@@ -776,6 +796,15 @@ async def samples(http: aiohttp.ClientSession, gateway: str, session_id: str) ->
         return list(await r.json())
 
 
+async def session_view(http: aiohttp.ClientSession, gateway: str, session_id: str) -> Any:
+    """``GET /sessions/{id}``: the session's trajectories (one sample each), turns and drift."""
+    async with http.get(
+        f"{gateway}/sessions/{session_id}", headers={"Authorization": f"Bearer {ADMIN}"}
+    ) as r:
+        r.raise_for_status()
+        return await r.json()
+
+
 async def ask(
     http: aiohttp.ClientSession,
     wire: Wire,
@@ -783,9 +812,11 @@ async def ask(
     prompt: Prompt,
     max_tokens: int,
     stream: bool,
+    extra: dict[str, Any] | None = None,
 ) -> tuple[float, Reply]:
-    """One turn through the gateway: (seconds to the answer's last byte, the reply)."""
-    data = json.dumps(wire.body(prompt, max_tokens, stream)).encode()
+    """One turn through the gateway: (seconds to the answer's last byte, the reply).
+    ``extra``: more top-level body fields (``chat_template_kwargs``)."""
+    data = json.dumps({**wire.body(prompt, max_tokens, stream), **(extra or {})}).encode()
     headers = wire.headers(session["api_key"])
     t0 = time.perf_counter()
     async with http.post(wire.url(session), data=data, headers=headers) as r:
@@ -1126,6 +1157,137 @@ async def long_sessions(
     return steps
 
 
+# ---- part 4: history modes along one long session ----------------------------------------------
+
+
+# The baseline first: ratios are tokens / template.
+HISTORY_MODES = ("template", "tokens")
+
+
+@dataclass(frozen=True)
+class HistoryCase:
+    """A tiny template, the template variables the client sends on every request, and whether
+    template history should split the session into a sample per turn."""
+
+    template: Literal["qwen25", "qwen3"]
+    kwargs: dict[str, Any]
+    splits: bool
+
+
+# Qwen3's template with thinking off puts an empty think block in each generation prompt and
+# drops it from the earlier answers when it renders them as history, so under template history
+# no turn extends the held tokens; Qwen 2.5's renders history as the model wrote it.
+HISTORY_CASES = (
+    HistoryCase("qwen25", {}, splits=False),
+    HistoryCase("qwen3", {"enable_thinking": False}, splits=True),
+)
+
+
+@dataclass
+class HistoryEnd:
+    """A session's state after its last turn (from ``GET /sessions/{id}``)."""
+
+    samples: int  # trajectories: the session's samples, one each
+    token_turns: int  # turns whose prompt was the held tokens plus a rendered suffix
+    fallbacks: list[str]  # why token history was not used, per turn that asked for it
+
+
+@dataclass
+class HistoryRun:
+    """One template's sessions in both history modes, played in lockstep."""
+
+    case: HistoryCase
+    # mode -> session -> turn: the gateway's CPU seconds (schedstat) for that request alone.
+    cpu: dict[str, list[list[float]]]
+    prompt_tokens: list[int]  # per turn, as the gateway reported them (template history)
+    ends: dict[str, list[HistoryEnd]]  # mode -> per session
+
+    def window(self, turn: int, half: int) -> list[int]:
+        """The turns (1-based) pooled for ``turn``: turn 1 alone (the only turn rendered in
+        full in both modes), else ``turn - half .. turn + half`` within turns 2 to the last."""
+        last = len(self.prompt_tokens)
+        if turn == 1:
+            return [1]
+        return list(range(max(2, turn - half), min(last, turn + half) + 1))
+
+    def cpu_at(self, mode: str, turn: int, half: int) -> float:
+        """Median over the sessions and the window's turns."""
+        return statistics.median(s[t - 1] for s in self.cpu[mode] for t in self.window(turn, half))
+
+    def ratio_at(self, turn: int, half: int) -> float:
+        """Median of per-turn ratios tokens / template: turn t of both modes ran back to back,
+        so each pair saw about the same machine."""
+        pairs = zip(self.cpu["tokens"], self.cpu["template"], strict=True)
+        return statistics.median(
+            a[t - 1] / b[t - 1] for a, b in pairs for t in self.window(turn, half)
+        )
+
+
+def history_end(view: dict[str, Any]) -> HistoryEnd:
+    return HistoryEnd(
+        samples=len(view["trajectories"]),
+        token_turns=sum(t["history"] == "tokens" for t in view["turns"]),
+        fallbacks=[f["reason"] for f in view["drift"]["history_fallbacks"]],
+    )
+
+
+async def history_sessions(
+    gateway: str,
+    pid: int,
+    sessions: int,
+    turns: int,
+    result_chars: int,
+    case: HistoryCase,
+    progress: Progress,
+) -> HistoryRun:
+    """``sessions`` coding-agent sessions per history mode (session option ``history``), turn t
+    of every session of one mode, then of the other (which goes first alternates), each
+    request alone between two idle points of the gateway (as :func:`long_sessions`). Chat
+    Completions; every request resends the whole conversation, the case's template variables
+    as ``chat_template_kwargs``."""
+    start = claude_code_start()
+    wire = WIRES[BASELINE]
+    extra = {"chat_template_kwargs": case.kwargs} if case.kwargs else None
+    run = HistoryRun(case, {m: [[] for _ in range(sessions)] for m in HISTORY_MODES}, [], {})
+    task = progress.add_task(f"history modes, {case.template} (turns)", total=turns)
+    async with aiohttp.ClientSession(connector=_connector()) as http:
+        for mode in HISTORY_MODES:  # warm-up: first-use costs (template compilation, probes)
+            warm = await new_session(http, gateway, {"history": mode})
+            script = CodingScript(start, result_chars)
+            for _ in range(3):
+                _, reply = await ask(http, wire, warm, script.next_prompt(), 64, False, extra)
+                script.answer(reply.message)
+            await delete_session(http, gateway, warm["id"])
+        opened = {
+            m: [await new_session(http, gateway, {"history": m}) for _ in range(sessions)]
+            for m in HISTORY_MODES
+        }
+        scripts = {
+            m: [CodingScript(start, result_chars) for _ in range(sessions)] for m in HISTORY_MODES
+        }
+        for t in range(turns):
+            for mode in HISTORY_MODES if t % 2 == 0 else HISTORY_MODES[::-1]:
+                for k in range(sessions):
+                    prompt = scripts[mode][k].next_prompt()
+                    await settle(pid)
+                    cpu0 = cpu_seconds_fine(pid)
+                    _, reply = await ask(http, wire, opened[mode][k], prompt, 64, False, extra)
+                    await settle(pid)
+                    run.cpu[mode][k].append(cpu_seconds_fine(pid) - cpu0)
+                    scripts[mode][k].answer(reply.message)
+                    if mode == "template" and k == 0:
+                        run.prompt_tokens.append(reply.prompt_tokens)
+            progress.advance(task)
+        for mode in HISTORY_MODES:
+            run.ends[mode] = [
+                history_end(await session_view(http, gateway, s["id"])) for s in opened[mode]
+            ]
+            for s in opened[mode]:
+                await delete_session(http, gateway, s["id"])
+    progress.remove_task(task)
+    return run
+
+
 # ---- output ----------------------------------------------------------------------------------
 
 
@@ -1223,25 +1385,105 @@ def long_table(steps: dict[str, list[Step]], report: list[int], sessions: int) -
     return table
 
 
+def case_name(case: HistoryCase) -> str:
+    return case.template + "".join(f", {k}={v}" for k, v in case.kwargs.items())
+
+
+def history_table(runs: Sequence[HistoryRun], report: list[int], half: int) -> Table:
+    sessions = len(runs[0].cpu["tokens"])
+    table = Table(
+        title=f"history modes: Claude Code's first request + one tool call and result per turn, "
+        f"{sessions} session(s) per mode, stand-in engine; gateway CPU per request (median over "
+        f"the sessions and turns t-{half}..t+{half}; turn 1 alone)"
+    )
+    for col in (
+        "template",
+        "turn",
+        "prompt tokens",
+        "template ms",
+        "tokens ms",
+        "ratio tokens/template (paired)",
+    ):
+        table.add_column(col, justify="left" if col == "template" else "right")
+    for run in runs:
+        for t in report:
+            table.add_row(
+                case_name(run.case),
+                str(t),
+                str(run.prompt_tokens[t - 1]),
+                ms(run.cpu_at("template", t, half)),
+                ms(run.cpu_at("tokens", t, half)),
+                f"{run.ratio_at(t, half):.3f}",
+            )
+        table.add_section()
+    return table
+
+
+def history_ends_table(runs: Sequence[HistoryRun]) -> Table:
+    table = Table(title="history modes: each session after its last turn")
+    for col in ("template", "mode", "turns", "samples", "turns from held tokens", "fallbacks"):
+        table.add_column(col, justify="left" if col in ("template", "mode") else "right")
+    for run in runs:
+        turns = len(run.prompt_tokens)
+        for mode in HISTORY_MODES:
+            ends = run.ends[mode]
+            reasons = sorted({r for e in ends for r in e.fallbacks})
+            table.add_row(
+                case_name(run.case),
+                mode,
+                str(turns),
+                ", ".join(str(e.samples) for e in ends),
+                ", ".join(str(e.token_turns) for e in ends),
+                "; ".join(reasons) or "none",
+            )
+        table.add_section()
+    return table
+
+
+def history_checks(run: HistoryRun) -> list[tuple[str, str, str, bool]]:
+    """(target, mode, value, ok): token history keeps a session one sample; template history
+    does too, unless the case's template rewrites history (then it must split, else the
+    bench is not measuring what it says)."""
+    out = []
+    for mode in HISTORY_MODES:
+        counts = [e.samples for e in run.ends[mode]]
+        value = ", ".join(map(str, counts))
+        if mode == "tokens" or not run.case.splits:
+            out.append(
+                (
+                    f"history, {case_name(run.case)}: 1 sample",
+                    mode,
+                    value,
+                    counts == [1] * len(counts),
+                )
+            )
+        else:
+            target = f"history, {case_name(run.case)}: more than 1 sample (history rewritten)"
+            out.append((target, mode, value, all(c > 1 for c in counts)))
+    return out
+
+
 def targets_table(
     results: dict[int, dict[tuple[Mode, str], PathRun]],
     same_ids: bool,
     steps: dict[str, list[Step]] | None,
     report: list[int],
+    history: Sequence[HistoryRun] = (),
 ) -> tuple[Table, bool]:
     table = Table(title="targets")
     for col in ("target", "dialect", "mode", "value", ""):
         table.add_column(col, justify="right" if col == "value" else "left")
-    table.add_row("same engine prompt ids in every dialect", "all", "both", "", mark(same_ids))
     passed = same_ids
-    low, high = min(results), max(results)
+    if results:
+        table.add_row("same engine prompt ids in every dialect", "all", "both", "", mark(same_ids))
 
     def row(target: str, d: str, mode: str, value: str, ok: bool) -> None:
         nonlocal passed
         passed = passed and ok
         table.add_row(target, d, mode, value, mark(ok))
 
-    for mode in MODES:
+    for mode in MODES if results else ():
+        low, high = min(results), max(results)
         for d in DIALECTS:
             runs = results[low]
             added = statistics.median(runs[mode, d].latencies) - statistics.median(
@@ -1274,6 +1516,9 @@ def targets_table(
                 f"{growth:.3f}",
                 growth <= 1 + MAX_LONG_GROWTH,
             )
+    for run in history:
+        for target, mode, value, ok in history_checks(run):
+            row(target, "chat_completions", mode, value, ok)
     return table, passed
 
 
@@ -1285,8 +1530,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="a short run (about 2-3 minutes on 2 cores): 1 and 16 sessions, fewer rounds, "
-        "2 long sessions per dialect, small memory fill; explicit flags still win",
+        help="a short run (about 4 minutes on 2 cores): 1 and 16 sessions, fewer rounds, "
+        "2 long sessions per dialect, small memory fill, 1 history session per mode; explicit "
+        "flags still win",
     )
     parser.add_argument("--sessions", type=int, nargs="+", help="concurrencies (default 1 64)")
     parser.add_argument("--turns", type=int, default=4, help="turns per conversation")
@@ -1304,6 +1550,33 @@ def parse_args() -> argparse.Namespace:
         "--long-result-chars", type=int, default=600, help="characters of each tool result"
     )
     parser.add_argument("--skip-long", action="store_true", help="no long-session part")
+    parser.add_argument(
+        "--history-sessions", type=int, help="sessions per history mode and template (3)"
+    )
+    parser.add_argument(
+        "--history-turns", type=int, default=128, help="turns per history-mode session"
+    )
+    parser.add_argument(
+        "--history-report", type=int, nargs="+", default=[1, 32, 128], help="turns to report"
+    )
+    parser.add_argument(
+        "--history-window",
+        type=int,
+        default=2,
+        help="turns pooled on each side of a reported turn (turn 1 stands alone)",
+    )
+    parser.add_argument(
+        "--history-result-chars",
+        type=int,
+        default=400,
+        help="characters of each tool result in the history-mode sessions",
+    )
+    parser.add_argument("--skip-history", action="store_true", help="no history-mode part")
+    parser.add_argument(
+        "--only-history",
+        action="store_true",
+        help="the history-mode part alone (no dialects, long sessions or memory)",
+    )
     parser.add_argument("--memory-sessions", type=int, help="sessions for the memory fill (32)")
     parser.add_argument("--memory-turns", type=int, help="turns per memory session (30)")
     # The bench's own child processes.
@@ -1316,6 +1589,7 @@ def parse_args() -> argparse.Namespace:
         "sessions": ([1, 16], [1, 64]),
         "min_turns": (80, 400),
         "long_sessions": (2, 8),
+        "history_sessions": (1, 3),
         "memory_sessions": (8, 32),
         "memory_turns": (10, 30),
     }
@@ -1325,30 +1599,42 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def main() -> int:
-    args = parse_args()
-    if args.serve == "gateway":
-        serve_gateway(args.engine_url, args.model, args.port, args.max_context_tokens)
-        return 0
-    if args.serve == "stand-in":
-        serve_stand_in(args.model, args.port)
-        return 0
-    # Wide enough for the tables when the output goes to a file or a pipe.
-    console = Console(width=None if sys.stdout.isatty() else 200)
-    started = time.perf_counter()
+LONG_CONTEXT = 4_000_000  # the context of the stand-in gateways: no session hits it
 
-    model = args.model
-    if model is None:
-        console.print("the tiny model (built once, then cached) ...")
-        model = str(cached_tiny_model("qwen25"))
-    console.print(
-        f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at the start "
-        "(other jobs on this machine share the cores)"
-    )
+
+@contextmanager
+def stand_in_gateway(model: str, env: dict[str, str]) -> Iterator[tuple[str, int]]:
+    """A gateway (a child process of this script, with the context set) in front of a stand-in
+    engine, both over ``model``'s tokenizer: (the gateway's URL, its pid)."""
+    sp, gp = free_port(), free_port()
+    stand_in = f"http://127.0.0.1:{sp}"
+    gateway = f"http://127.0.0.1:{gp}"
+    me = [sys.executable, str(Path(__file__).resolve()), "--model", model]
+    with (
+        process([*me, "--serve", "stand-in", "--port", str(sp)], env, f"{stand_in}/health"),
+        process(
+            [
+                *me,
+                *("--serve", "gateway", "--port", str(gp), "--engine-url", stand_in),
+                *("--max-context-tokens", str(LONG_CONTEXT)),
+            ],
+            env,
+            f"{gateway}/health",
+        ) as proc,
+    ):
+        yield gateway, proc.pid
+
+
+def dialect_part(
+    args: argparse.Namespace,
+    model: str,
+    renderer: GatewayRenderer,
+    env: dict[str, str],
+    console: Console,
+) -> tuple[dict[int, dict[tuple[Mode, str], PathRun]], list[str]]:
+    """Parts 1 and 3 of the module's docstring: (per concurrency, every path's runs; the prompt
+    id differences found)."""
     tools = weather_tools()
-    long_context = 4_000_000
-    renderer = GatewayRenderer(model, max(model_context_length(model), long_context))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", ADMIN_VAR: ADMIN}
     corral = [sys.executable, "-m", "corral.cli"]
     results: dict[int, dict[tuple[Mode, str], PathRun]] = {}
     problems: list[str] = []
@@ -1414,56 +1700,118 @@ def main() -> int:
             f"{(after - before) / args.memory_sessions / 1e3:.1f} kB per session, "
             f"{(after - before) / max(tokens, 1):.1f} B per held token"
         )
+    return results, problems
 
-    steps = None
-    report = at_turns(args.long_report, args.long_turns)
-    if not args.skip_long:
-        sp, lp = free_port(), free_port()
-        stand_in = f"http://127.0.0.1:{sp}"
-        long_gateway = f"http://127.0.0.1:{lp}"
-        me = [sys.executable, str(Path(__file__).resolve()), "--model", model]
-        start = claude_code_start()
-        first = {d: renderer.prompt_ids(d, start, 64) for d in DIALECTS}
-        for d in DIALECTS[1:]:
-            if first[d] != first[BASELINE]:
-                problems.append(
-                    f"Claude Code's first request, {d} vs {BASELINE}: "
-                    + renderer.difference(first[d], first[BASELINE])
-                )
-                console.print(f"[red]{problems[-1]}[/red]")
+
+def long_part(
+    args: argparse.Namespace,
+    model: str,
+    renderer: GatewayRenderer,
+    env: dict[str, str],
+    console: Console,
+    report: list[int],
+) -> tuple[dict[str, list[Step]], list[str]]:
+    """Part 2: (per dialect, the long sessions' turns; the prompt id differences found)."""
+    problems: list[str] = []
+    start = claude_code_start()
+    first = {d: renderer.prompt_ids(d, start, 64) for d in DIALECTS}
+    for d in DIALECTS[1:]:
+        if first[d] != first[BASELINE]:
+            problems.append(
+                f"Claude Code's first request, {d} vs {BASELINE}: "
+                + renderer.difference(first[d], first[BASELINE])
+            )
+            console.print(f"[red]{problems[-1]}[/red]")
+    with (
+        stand_in_gateway(model, env) as (gateway, pid),
+        Progress(console=console, transient=True) as progress,
+    ):
+        steps = asyncio.run(
+            long_sessions(
+                gateway,
+                pid,
+                args.long_sessions,
+                args.long_turns,
+                args.long_result_chars,
+                progress,
+            )
+        )
+        decisions = asyncio.run(metric_lines(gateway, "corral_gateway_merge_"))
+    same_first = all(first[d] == first[BASELINE] for d in DIALECTS)
+    console.print(
+        f"Claude Code's first request: {len(first[BASELINE])} prompt ids, "
+        f"{'the same' if same_first else 'NOT the same'} in every dialect"
+    )
+    console.print(long_table(steps, report, args.long_sessions))
+    console.print("long-session merge decisions: " + "; ".join(decisions))
+    return steps, problems
+
+
+def history_part(
+    args: argparse.Namespace, env: dict[str, str], console: Console
+) -> list[HistoryRun]:
+    """Part 4: both history modes, per tiny template (its own stand-in engine and gateway)."""
+    runs = []
+    report = at_turns(args.history_report, args.history_turns)
+    for case in HISTORY_CASES:
+        # Untrained weights do: the stand-in engine answers, the model folder gives only the
+        # tokenizer and its template.
+        model = str(cached_tiny_model(case.template, imprint=False))
         with (
-            process([*me, "--serve", "stand-in", "--port", str(sp)], env, f"{stand_in}/health"),
-            process(
-                [
-                    *me,
-                    *("--serve", "gateway", "--port", str(lp), "--engine-url", stand_in),
-                    *("--max-context-tokens", str(long_context)),
-                ],
-                env,
-                f"{long_gateway}/health",
-            ) as long_proc,
+            stand_in_gateway(model, env) as (gateway, pid),
             Progress(console=console, transient=True) as progress,
         ):
-            steps = asyncio.run(
-                long_sessions(
-                    long_gateway,
-                    long_proc.pid,
-                    args.long_sessions,
-                    args.long_turns,
-                    args.long_result_chars,
-                    progress,
+            runs.append(
+                asyncio.run(
+                    history_sessions(
+                        gateway,
+                        pid,
+                        args.history_sessions,
+                        args.history_turns,
+                        args.history_result_chars,
+                        case,
+                        progress,
+                    )
                 )
             )
-            decisions = asyncio.run(metric_lines(long_gateway, "corral_gateway_merge_"))
-        same_first = all(first[d] == first[BASELINE] for d in DIALECTS)
-        console.print(
-            f"Claude Code's first request: {len(first[BASELINE])} prompt ids, "
-            f"{'the same' if same_first else 'NOT the same'} in every dialect"
-        )
-        console.print(long_table(steps, report, args.long_sessions))
-        console.print("long-session merge decisions: " + "; ".join(decisions))
+    console.print(history_table(runs, report, args.history_window))
+    console.print(history_ends_table(runs))
+    return runs
 
-    table, passed = targets_table(results, not problems, steps, report)
+
+def main() -> int:
+    args = parse_args()
+    if args.serve == "gateway":
+        serve_gateway(args.engine_url, args.model, args.port, args.max_context_tokens)
+        return 0
+    if args.serve == "stand-in":
+        serve_stand_in(args.model, args.port)
+        return 0
+    # Wide enough for the tables when the output goes to a file or a pipe.
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    started = time.perf_counter()
+    console.print(
+        f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at the start "
+        "(other jobs on this machine share the cores)"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", ADMIN_VAR: ADMIN}
+    results: dict[int, dict[tuple[Mode, str], PathRun]] = {}
+    problems: list[str] = []
+    steps = None
+    report = at_turns(args.long_report, args.long_turns)
+    if not args.only_history:
+        model = args.model
+        if model is None:
+            console.print("the tiny model (built once, then cached) ...")
+            model = str(cached_tiny_model("qwen25"))
+        renderer = GatewayRenderer(model, max(model_context_length(model), LONG_CONTEXT))
+        results, problems = dialect_part(args, model, renderer, env, console)
+        if not args.skip_long:
+            steps, found = long_part(args, model, renderer, env, console, report)
+            problems += found
+    history = [] if args.skip_history else history_part(args, env, console)
+
+    table, passed = targets_table(results, not problems, steps, report, history)
     console.print(table)
     console.print(f"took {time.perf_counter() - started:.0f} s")
     return 0 if passed else 1

@@ -108,7 +108,7 @@ def test_the_qwen25_template_passes_under_both_history_modes(tiny_model_dir: Pat
         assert shape.template.samples == shape.tokens.samples == 1, shape.name
         assert all(not t.forks for t in shape.template.turns)
         later = shape.tokens.turns[1:]
-        assert [t.boundary for t in later] == ["prefix"] * len(later), shape.name
+        assert [t.boundary for t in later] == ["isolated"] * len(later), shape.name
         assert all(t.fallback is None and t.held_mismatch is None for t in shape.tokens.turns)
         assert shape.parser_misses == ()
 

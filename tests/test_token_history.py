@@ -301,14 +301,14 @@ HELLO = {"role": "assistant", "content": "Hello!", "reasoning_content": "A greet
 AGAIN = {"role": "user", "content": "Again."}
 
 
-def test_an_append_only_template_continues_at_its_prefix(qwen25: Any) -> None:
+def test_an_append_only_template_continues_with_the_new_messages(qwen25: Any) -> None:
     renderer = ChatRenderer(qwen25)
     held = _first_turn(
         renderer, "What is the weather in Paris?", _call_text(PARIS), PARIS_REPLY, {}
     )
     c = _continue(TokenHistory(renderer), held, [PARIS_RESULT], {})
     assert isinstance(c, Continuation), c
-    assert c.boundary == "prefix" and c.held == len(held.tokens)
+    assert c.boundary == "isolated" and c.held == len(held.tokens)
     # The model sampled <|im_end|> itself: the glue is only the template's newline after it.
     assert c.suffix_text.startswith("\n<|im_start|>user\n<tool_response>\n"), c.suffix_text
     assert c.suffix_ids == renderer.encode(c.suffix_text)
@@ -353,16 +353,45 @@ def test_qwen3_continues_with_the_new_messages_rendered_on_their_own(
     assert renderer.encode(full)[: len(held.tokens)] != held.tokens
 
 
-def test_qwen3_continues_a_turn_of_the_current_question_at_its_prefix(qwen3: Any) -> None:
+def test_qwen3_keeps_the_reasoning_of_the_current_question(qwen3: Any) -> None:
     """Thinking on, mid tool loop: the template keeps the reasoning of the question still being
-    answered, so the held conversation renders as a prefix of the whole request."""
+    answered, so the held tokens plus the suffix are the full rendering."""
     renderer = ChatRenderer(qwen3)
     reply = {**PARIS_REPLY, "reasoning_content": "A greeting."}  # the thought of THOUGHT
     model_text = THOUGHT + _call_text(PARIS)
     held = _first_turn(renderer, "What is the weather in Paris?", model_text, reply, {})
     c = _continue(TokenHistory(renderer), held, [PARIS_RESULT], {})
-    assert isinstance(c, Continuation) and c.boundary == "prefix", c
+    assert isinstance(c, Continuation) and c.boundary == "isolated", c
     full = renderer.render_text([*held.messages, PARIS_RESULT], TOOLS, {})
+    assert held.tokens + c.suffix_ids == renderer.encode(full)
+
+
+# A tool result names the call it answers, read from the assistant message before it: after a
+# probe (no such call) it renders differently, after the held conversation as it will in full.
+CALL_NAMED = (
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}"
+    "{%- set asked = messages[loop.index0 - 1].tool_calls if loop.index0 > 0 else none %}"
+    "{{- '<|im_start|>tool ' ~ (asked[0].function.name if asked else 'unknown') ~ '\\n' }}"
+    "{%- else %}{{- '<|im_start|>' ~ m.role ~ '\\n' }}{%- endif %}"
+    "{{- m.content ~ '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_new_messages_that_depend_on_the_history_continue_at_the_prefix(
+    tiny_model_dir: Path,
+) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    tokenizer.chat_template = CALL_NAMED
+    renderer = ChatRenderer(tokenizer)
+    reply = {**PARIS_REPLY, "content": "Looking."}
+    held = _first_turn(renderer, "Weather in Paris?", "Looking.", reply, {}, tools=None)
+    c = _continue(TokenHistory(renderer), held, [PARIS_RESULT], {}, tools=None)
+    assert isinstance(c, Continuation) and c.boundary == "prefix", c
+    assert c.suffix_text.startswith("\n<|im_start|>tool get_weather\n"), c.suffix_text
+    full = renderer.render_text([*held.messages, PARIS_RESULT], None, {})
     assert held.tokens + c.suffix_ids == renderer.encode(full)
 
 

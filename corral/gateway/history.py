@@ -15,11 +15,13 @@ so the model sees its own earlier tokens and every turn appends to one sample.
 
 Finding the suffix is checked, never guessed (:meth:`TokenHistory.continuation`):
 
-1. *prefix*: the held conversation rendered on its own is a prefix of the whole request's
-   rendering; the suffix is the rest.
-2. *isolated*: the new messages rendered after a small probe conversation (the request's system
+1. *isolated*: the new messages rendered after a small probe conversation (the request's system
    message, a probe question, maybe a probe reply) give a text that the whole request's
-   rendering ends with, right after the template's close of an assistant message.
+   rendering ends with, right after the template's close of an assistant message. Tried first:
+   it costs one rendering of the whole conversation.
+2. *prefix*: the held conversation rendered on its own is a prefix of the whole request's
+   rendering; the suffix is the rest (templates whose new messages render differently after a
+   probe than after the real conversation).
 3. Otherwise the turn is rendered in full (``template`` history for that turn) and the reason
    is recorded (the drift report lists it).
 
@@ -359,21 +361,24 @@ class TokenHistory:
         held, new = messages[: match.length], messages[match.length :]
         try:
             full = self.renderer.render_text(messages, tools, kwargs)
-            head = self.renderer.render_text(held, tools, kwargs, add_generation_prompt=False)
         except TemplateError as exc:
-            return Fallback(f"the template failed on the held conversation: {exc}")
-        boundary: Boundary = "prefix"
-        if full.startswith(head) and head.endswith(close):
-            suffix = full[len(head) :]
-        else:
-            found = self._isolated(messages, new, tools, kwargs, full, close)
-            if found is None:
+            return Fallback(f"the template failed on the request: {exc}")
+        # The isolated boundary first: it costs one rendering of the whole conversation (plus
+        # small probes), the prefix boundary two.
+        boundary: Boundary = "isolated"
+        suffix = self._isolated(messages, new, tools, kwargs, full, close)
+        if suffix is None:
+            try:
+                head = self.renderer.render_text(held, tools, kwargs, add_generation_prompt=False)
+            except TemplateError as exc:
+                return Fallback(f"the template failed on the held conversation: {exc}")
+            if not (full.startswith(head) and head.endswith(close)):
                 return Fallback(
-                    "the template renders the held conversation differently once new messages "
-                    "follow it, and renders the new messages differently on their own: no sound "
+                    "the template renders the new messages differently on their own, and the "
+                    "held conversation differently once new messages follow it: no sound "
                     "boundary"
                 )
-            suffix, boundary = found, "isolated"
+            suffix, boundary = full[len(head) :], "prefix"
         text = self.glue(close, int(tokens[point.tokens - 1]), point.finish) + suffix
         return Continuation(trajectory, point.tokens, text, self.renderer.encode(text), boundary)
 
