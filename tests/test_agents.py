@@ -179,13 +179,13 @@ async def gateway(stack: StackURLs) -> AsyncIterator[GatewayAdmin]:
 
 
 def weather_row(row: Row) -> Row:
-    """``row`` with a weather question and the tiny model's weather tool (plus ``end_turn``):
-    the one prompt the tiny model answers with a tool call. The episode is still gridsim's,
-    so the env answers that call as an unknown tool."""
-    end_turn = [t for t in row.metadata.tools if t["function"]["name"] == "end_turn"]
+    """``row`` with a weather question and only the tiny model's weather tool: the prompt the
+    tiny model was imprinted to answer with a tool call (another tool in its list, such as
+    gridsim's ``end_turn``, is out of its imprint and can garble the call). The episode is
+    still gridsim's, so the env answers that call as an unknown tool."""
     changed = row.model_copy(deep=True)
     changed.messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    changed.metadata.tools = [TOOLS[0], *end_turn]
+    changed.metadata.tools = [TOOLS[0]]
     return changed
 
 
