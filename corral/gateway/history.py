@@ -315,12 +315,16 @@ class TokenHistory:
         tools: Sequence[Tool],
         kwargs: dict[str, Any],
         label: str | None,
+        keys: tuple[Message, ...] | None = None,
     ) -> TokenPrompt | str | None:
         """The token-history prompt of a request (its ``request`` messages under ``tools`` and
         template variables ``kwargs``) in a session holding ``trajectories`` and
-        ``conversations``. A reason (str) when the session holds trajectories of this
-        ``label`` but none could be continued; ``None`` when it holds none (a first turn)."""
-        keys = tuple(message_key(m) for m in request)
+        ``conversations`` (``keys``: the request's :func:`message_key` s, if already made). A
+        reason (str) when the request shares messages with a held conversation of its
+        ``label`` but continues none; ``None`` when it shares none (a first turn, or another
+        conversation: rendered in full with nothing to explain)."""
+        if keys is None:
+            keys = tuple(message_key(m) for m in request)
         match = conversations.find(keys, tools, kwargs_key(kwargs), label)
         if match is None:
             # A request that shares not even its first message with what is held is another

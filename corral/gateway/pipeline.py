@@ -110,7 +110,8 @@ class PreparedTurn:
     # How the prompt was built, and why token history was not used when it was asked for.
     history: HistoryMode = "template"
     history_fallback: str | None = None
-    # The request's messages as the session compares them (history.message_key).
+    # The request's messages as the session compares them (history.message_key); made only
+    # under token history, which remembers them.
     keys: tuple[Message, ...] = ()
     id: str = field(default_factory=new_turn_id)
     created: int = field(default_factory=now_s)
@@ -219,7 +220,9 @@ class TurnPipeline:
         history: HistoryMode = "template"
         fallback: str | None = None
         built: TokenPrompt | str | None = None
+        keys: tuple[Message, ...] = ()
         if self.history_mode(session) == "tokens":
+            keys = tuple(message_key(m) for m in request.messages)
             built = self.history.prompt(
                 session.conversations,
                 session.merger.trajectories,
@@ -227,6 +230,7 @@ class TurnPipeline:
                 request.tools,
                 kwargs,
                 request.label,
+                keys,
             )
         if isinstance(built, TokenPrompt) and len(built.ids) >= limit:
             # Held tokens may be longer than the template's rendering (kept think blocks):
@@ -273,7 +277,7 @@ class TurnPipeline:
             routing_key=session.id,
             history=history,
             history_fallback=fallback,
-            keys=tuple(message_key(m) for m in request.messages),
+            keys=keys,
         )
 
     def prepare(self, session: Session, request: TurnRequest) -> PreparedTurn:
