@@ -888,26 +888,7 @@ def _add_gateway(sub: Any) -> None:
         metavar="NAME",
         help="environment variable holding the admin token for session management",
     )
-    gateway.add_argument(
-        "--tool-call-parser",
-        choices=tool_call_parser_names(),
-        default=GatewaySettings.tool_call_parser,
-        metavar="NAME",
-        help="how the model writes tool calls: " + ", ".join(tool_call_parser_names()),
-    )
-    gateway.add_argument(
-        "--reasoning-parser",
-        choices=reasoning_parser_names(),
-        default=GatewaySettings.reasoning_parser,
-        metavar="NAME",
-        help="how the model marks its reasoning: " + ", ".join(reasoning_parser_names()),
-    )
-    gateway.add_argument(
-        "--chat-template-kwargs",
-        type=_json_object,
-        default={},
-        help="JSON object passed to the chat template, e.g. '{\"enable_thinking\": false}'",
-    )
+    _add_rendering_flags(gateway)
     gateway.add_argument(
         "--chat-template-kwargs-allow",
         type=_name_list,
@@ -955,6 +936,31 @@ def _add_gateway(sub: Any) -> None:
     gateway.set_defaults(func=cmd_gateway)
 
 
+def _add_rendering_flags(parser: argparse.ArgumentParser) -> None:
+    """How the model's turns are rendered and read back: the gateway's flags, which
+    ``template check`` takes too."""
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=tool_call_parser_names(),
+        default=GatewaySettings.tool_call_parser,
+        metavar="NAME",
+        help="how the model writes tool calls: " + ", ".join(tool_call_parser_names()),
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=reasoning_parser_names(),
+        default=GatewaySettings.reasoning_parser,
+        metavar="NAME",
+        help="how the model marks its reasoning: " + ", ".join(reasoning_parser_names()),
+    )
+    parser.add_argument(
+        "--chat-template-kwargs",
+        type=_json_object,
+        default={},
+        help="JSON object passed to the chat template, e.g. '{\"enable_thinking\": false}'",
+    )
+
+
 def _add_template(sub: Any) -> None:
     template = sub.add_parser(
         "template", help="chat templates", description="Check a model's chat template."
@@ -971,31 +977,12 @@ def _add_template(sub: Any) -> None:
         "--history, 1 with a FAIL line per broken shape on stderr.",
     )
     check.add_argument("model_dir", metavar="MODEL_DIR", help="a local Hugging Face model folder")
-    check.add_argument(
-        "--tool-call-parser",
-        choices=tool_call_parser_names(),
-        default=GatewaySettings.tool_call_parser,
-        metavar="NAME",
-        help="how the model writes tool calls: " + ", ".join(tool_call_parser_names()),
-    )
-    check.add_argument(
-        "--reasoning-parser",
-        choices=reasoning_parser_names(),
-        default=GatewaySettings.reasoning_parser,
-        metavar="NAME",
-        help="how the model marks its reasoning: " + ", ".join(reasoning_parser_names()),
-    )
+    _add_rendering_flags(check)
     check.add_argument(
         "--history",
         choices=HISTORY_MODES,
         default=GatewaySettings.history,
         help="the history mode the verdict is for (the gateway's --history)",
-    )
-    check.add_argument(
-        "--chat-template-kwargs",
-        type=_json_object,
-        default={},
-        help="JSON object passed to the chat template, e.g. '{\"enable_thinking\": false}'",
     )
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     check.set_defaults(func=cmd_template_check)
