@@ -20,10 +20,13 @@ from corral.cli.errors import RunError, UsageError, first_of
 from corral.envs.playcheck import DEFAULT_MARGIN, DEFAULT_SEED, DEFAULT_TASKS
 from corral.envs.server import DEFAULT_AGENT_MAX_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from corral.envs.server import DEFAULT_FIRST_RESET_TIMEOUT as FIRST_RESET_TIMEOUT_S
-from corral.gateway.history import HISTORY_MODES
 from corral.gateway.parsers.reasoning import reasoning_parser_names
 from corral.gateway.parsers.tool_calls import tool_call_parser_names
-from corral.gateway.settings import DEFAULT_CLIENT_TEMPLATE_KWARGS, GatewaySettings
+from corral.gateway.settings import (
+    DEFAULT_CLIENT_TEMPLATE_KWARGS,
+    HISTORY_MODES,
+    GatewaySettings,
+)
 from corral.sandboxes.base import SandboxError
 from corral.sandboxes.image import DEFAULT_TAG
 from corral.sandboxes.providers import BACKENDS

@@ -48,8 +48,6 @@ from corral.gateway.recording import Trajectory
 from corral.gateway.rendering import ChatRenderer, TemplateError
 from corral.gateway.turns import Message, Tool, ToolCall
 
-HistoryMode = Literal["tokens", "template"]
-HISTORY_MODES: tuple[HistoryMode, ...] = ("tokens", "template")
 Boundary = Literal["prefix", "isolated", "repeat"]
 
 # Conversations remembered per session (the most recently continued ones): a client continues

@@ -35,7 +35,6 @@ from corral.gateway.constraints import EngineConstraint, UnsupportedConstraint
 from corral.gateway.detokenize import IncrementalDetokenizer
 from corral.gateway.errors import GatewayError, bad_request, engine_error
 from corral.gateway.history import (
-    HistoryMode,
     TokenHistory,
     TokenPrompt,
     TurnConversation,
@@ -52,7 +51,7 @@ from corral.gateway.parsers.tool_calls import (
 from corral.gateway.recording import TurnRecord
 from corral.gateway.rendering import ChatRenderer, PrefixEncoder, TemplateError
 from corral.gateway.sessions import Session
-from corral.gateway.settings import GatewaySettings
+from corral.gateway.settings import GatewaySettings, HistoryMode
 from corral.gateway.turns import (
     ChoiceFinished,
     ChoiceResult,

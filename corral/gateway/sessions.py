@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from corral.gateway.history import ConversationIndex, HistoryMode
+from corral.gateway.history import ConversationIndex
 from corral.gateway.recording import (
     Decode,
     MergeDecision,
@@ -34,6 +34,7 @@ from corral.gateway.recording import (
     TurnRecord,
 )
 from corral.gateway.samples import Sample, SampleStatus, status_for_finish
+from corral.gateway.settings import HistoryMode
 
 REPLAY_CACHE_SIZE = 32
 # Responses kept for ``previous_response_id`` (OpenAI Responses with ``store: true``).

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-from corral.gateway.history import HistoryMode
+# How a turn's prompt is built (corral.gateway.history); here, light, for the CLI's choices.
+HistoryMode = Literal["tokens", "template"]
+HISTORY_MODES: tuple[HistoryMode, ...] = ("tokens", "template")
 
 # The template variables clients may set unless the operator says otherwise.
 DEFAULT_CLIENT_TEMPLATE_KWARGS = frozenset({"enable_thinking"})

@@ -37,10 +37,8 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from corral.gateway.history import (
-    HISTORY_MODES,
     Continuation,
     ConversationIndex,
-    HistoryMode,
     TokenHistory,
     TokenPrompt,
     TurnConversation,
@@ -51,6 +49,7 @@ from corral.gateway.parsers.reasoning import THINK_OPEN, ReasoningParser, get_re
 from corral.gateway.parsers.tool_calls import ToolCallParser, ToolSpec, get_tool_call_parser
 from corral.gateway.recording import TrajectoryMerger, TurnRecord
 from corral.gateway.rendering import ChatRenderer, TemplateError
+from corral.gateway.settings import HISTORY_MODES, HistoryMode
 from corral.gateway.turns import Message, Tool, ToolCall
 
 __all__ = [
