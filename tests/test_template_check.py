@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from corral.cli import main
-from corral.gateway.history import HISTORY_MODES, HistoryMode
+from corral.gateway.settings import HISTORY_MODES, HistoryMode
 from corral.gateway.template_check import Shape, TemplateReport, check_model_dir, shapes
 
 ROOT = Path(__file__).resolve().parent.parent
