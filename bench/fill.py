@@ -47,8 +47,8 @@ def small_model(out: Path) -> Path:
 
 
 async def fills(svc: Services, groups: int, per_row: int, n: int) -> list[float]:
-    from corral.adapters.gateway_admin import GatewayAdmin
-    from corral.adapters.player import Player
+    from corral.gateway.client import GatewayAdmin
+    from corral.rollouts.player import Player
     from corral.trainer.rollouts import GroupDraw, RowSampler
 
     sampling = {"temperature": 1.0, "max_tokens": 48}

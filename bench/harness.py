@@ -12,11 +12,11 @@ whoever asks: a ``bash`` tool call (``ls``) while the conversation has no tool r
 plain answer (``submit`` for the player, whose episode ends on it). Per backend, on the same
 ``--rows`` eval rows, one at a time:
 
-- **player**: :class:`corral.adapters.player.Player` plays the row through the gateway (two
+- **player**: :class:`corral.rollouts.player.Player` plays the row through the gateway (two
   model calls, the ``bash`` and ``submit`` steps on the env server, the grade): the
   baseline, measured in the same run;
 - **harness**: the ``command`` harness runs a tiny standard-library agent (:data:`AGENT`) in
-  the episode's sandbox through :class:`corral.adapters.harness_play.HarnessPlayer`: the same
+  the episode's sandbox through :class:`corral.rollouts.harness_play.HarnessPlayer`: the same
   two model requests (through the agent's bridged listener), the ``ls`` run by the agent
   itself, then it exits and the env server grades the folder.
 
@@ -240,11 +240,11 @@ async def measure(
     state: Path,
     progress: Progress,
 ) -> Measured:
-    from corral.adapters.gateway_admin import GatewayAdmin
-    from corral.adapters.harness_play import HarnessPlayer
-    from corral.adapters.player import Player
     from corral.envs.server import build_app
+    from corral.gateway.client import GatewayAdmin
     from corral.harnesses import harness
+    from corral.rollouts.harness_play import HarnessPlayer
+    from corral.rollouts.player import Player
     from corral.serving import serve_in_thread
 
     out = Measured(backend, [], [], [], [], [], [], [], [], [], {})
@@ -303,7 +303,7 @@ async def measure(
 def read_rows(url: str, count: int, folder: Path) -> list[Any]:
     """The first ``count`` eval rows of the shellcraft env server at ``url``: the same rows on
     every backend (one task list)."""
-    from corral.adapters.rows import Row, RowSettings, write_rows
+    from corral.rollouts.rows import Row, RowSettings, write_rows
 
     write_rows(url, folder, RowSettings(max_turns=2))
     lines = (folder / "eval.jsonl").read_text().splitlines()[:count]

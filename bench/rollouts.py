@@ -60,8 +60,8 @@ class GenerateTimer:
 async def play_all(
     gateway: str, rows: list[Any], concurrency: int, progress: Progress, max_tokens: int
 ) -> tuple[list[Any], float]:
-    from corral.adapters.gateway_admin import GatewayAdmin
-    from corral.adapters.player import Player
+    from corral.gateway.client import GatewayAdmin
+    from corral.rollouts.player import Player
 
     room = asyncio.Semaphore(concurrency)
     task = progress.add_task(f"concurrency {concurrency}", total=len(rows))
@@ -89,12 +89,12 @@ def main() -> int:
 
     import torch
 
-    from corral.adapters.rows import Row, RowSettings, write_rows
     from corral.engines.local.engine import LocalEngine
     from corral.engines.local.server import build_engine_app
     from corral.engines.tiny_model import cached_tiny_model
     from corral.envs.server import build_app
     from corral.gateway.server import create_gateway
+    from corral.rollouts.rows import Row, RowSettings, write_rows
     from corral.serving import serve_in_thread
 
     torch.set_num_threads(1)

@@ -51,8 +51,8 @@ from corral.engines.tiny_model import CITIES, CONDITIONS, TOOLS, cached_tiny_mod
 from corral.stack import local_stack
 
 if TYPE_CHECKING:
-    from corral.adapters.evals import EvalReport
-    from corral.adapters.rows import Row
+    from corral.rollouts.evals import EvalReport
+    from corral.rollouts.rows import Row
 
 DEFAULT_BUNDLE = Path(__file__).resolve().parents[1] / "bundles" / "gridsim"
 # The policy examples/gridsim_rl trained (a 7M-parameter Qwen3, bf16): it plays gridsim on CPU.
@@ -80,7 +80,7 @@ def reward_text(reward: float | None) -> str:
 def mean_text(rewards: Sequence[float | None]) -> str:
     """The mean of the graded ``rewards`` with its standard error, ``0.929 ± 0.012`` (the
     format of the eval tables; the error is 0 for fewer than two); ``-`` when none is graded."""
-    from corral.adapters.evals import Stats
+    from corral.rollouts.evals import Stats
 
     stats = Stats.of(list(rewards))
     if stats.mean is None:
@@ -334,7 +334,7 @@ def _report_gateway_stage(results: list[EpisodeResult], out: Path, console: Cons
 def env_stage(url: str, out: Path, episodes: int, seed: int, console: Console) -> list[Row]:
     """Write the tasks of the env server at ``url`` as rows under ``out/rows`` and play
     ``episodes`` eval tasks (drawn with the seed) with the idle policy; the eval rows."""
-    from corral.adapters.rows import RowSettings, read_rows, write_rows
+    from corral.rollouts.rows import RowSettings, read_rows, write_rows
 
     with progress_bar(console, "reading tasks") as update:
         counts = write_rows(url, out / "rows", RowSettings(), progress=update)
@@ -469,7 +469,7 @@ def policy_stage(
     running) through its own local engine and gateway on this machine's CPU, greedily, with
     the player: the whole rollout path with a model that solves the task. Writes
     ``out/policy-eval`` (summary and episodes)."""
-    from corral.adapters.evals import eval_rows, report_table, write_eval
+    from corral.rollouts.evals import eval_rows, report_table, write_eval
 
     picked = stage_rng(seed, "policy").sample(rows, k=min(days, len(rows)))
     picked.sort(key=lambda row: row.metadata.index)  # played and reported in the split's order

@@ -1,7 +1,7 @@
 """Forks: a black-box CLI's sub-agents, compaction and retries, as the gateway records them.
 
 The real pinned CLIs (``scripts/agent_clis.sh``) play a shellcraft row through
-:class:`~corral.adapters.harness_play.HarnessPlayer`, each in the episode's own bwrap sandbox,
+:class:`~corral.rollouts.harness_play.HarnessPlayer`, each in the episode's own bwrap sandbox,
 on a gateway in front of the scripted test engine (``tests/scripted_engine.py``), which
 answers with token ids chosen here, or fails a request with an HTTP error. Real servers on
 127.0.0.1 throughout (the fixtures and helpers of ``tests/test_harness_rollouts.py``).
@@ -30,12 +30,12 @@ from typing import Any
 
 import pytest
 
-from corral.adapters.gateway_admin import GatewayAdmin
-from corral.adapters.harness_play import HarnessPlayer, HarnessRollout, make_harness
 from corral.envs.server import build_app
-from corral.gateway.samples import Sample
+from corral.gateway.client import GatewayAdmin
 from corral.harnesses.base import Harness
 from corral.harnesses.claude_code import MODEL_VARS, QUIET_ENV
+from corral.rollouts.harness_play import HarnessPlayer, HarnessRollout, make_harness
+from corral.samples import Sample
 from tests.gateway_stack import ADMIN, ScriptedStack, scripted_gateway
 from tests.scripted_engine import Failure, Received
 from tests.servers import serve

@@ -40,12 +40,12 @@ from corral.adapters.agents import (
     play_with_agent,
     summarize,
 )
-from corral.adapters.gateway_admin import GatewayAdmin, GatewayAdminError
 from corral.adapters.mcp_tools import META_KEY, EpisodeTools, serve_episode_tools
-from corral.adapters.rows import Row, RowSettings, read_rows, write_rows
 from corral.engines.tiny_model import TOOLS
 from corral.envs.client import EnvClient
 from corral.envs.server import build_app
+from corral.gateway.client import GatewayAdmin, GatewayAdminError
+from corral.rollouts.rows import Row, RowSettings, read_rows, write_rows
 from corral.stack import StackURLs, local_stack
 from tests.servers import free_port, serve
 

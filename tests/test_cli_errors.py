@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from corral.adapters.rows import EnvRef, Row, RowMetadata
 from corral.cli import build_parser
 from corral.cli.errors import PACKAGE_EXTRAS
 from corral.gateway.parsers.reasoning import reasoning_parser_names
 from corral.gateway.parsers.tool_calls import tool_call_parser_names
+from corral.rollouts.rows import EnvRef, Row, RowMetadata
 from tests.servers import free_port
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from corral.adapters.evals import Stats, eval_rows, write_eval
-from corral.adapters.rows import Row, RowSettings, write_rows
 from corral.envs.server import build_app
+from corral.rollouts.evals import Stats, eval_rows, write_eval
+from corral.rollouts.rows import Row, RowSettings, write_rows
 from corral.stack import local_stack
 from tests.conftest import ROOT
 from tests.servers import serve

@@ -31,7 +31,7 @@ from gridsim_rl.run import STAGES, main  # noqa: E402
 from gridsim_rl.settings import DEFAULT_SETTINGS, load_settings  # noqa: E402
 from gridsim_rl.teacher import teacher_schedule  # noqa: E402
 
-from corral.adapters.rows import read_rows  # noqa: E402
+from corral.rollouts.rows import read_rows  # noqa: E402
 from corral.trainer.metrics import read_metrics  # noqa: E402
 
 

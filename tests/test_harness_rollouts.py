@@ -1,5 +1,5 @@
 """Rollouts through harnesses: a black-box agent plays a row inside the episode's own sandbox
-(:class:`~corral.adapters.harness_play.HarnessPlayer`), graded on the workspace it leaves.
+(:class:`~corral.rollouts.harness_play.HarnessPlayer`), graded on the workspace it leaves.
 
 Real servers on 127.0.0.1 throughout: the env server (``build_app`` with the agent CLIs, what
 ``corral serve --agent-clis`` runs) serving shellcraft in bwrap or docker sandboxes, and the
@@ -31,8 +31,12 @@ from typing import Any
 
 import pytest
 
-from corral.adapters.gateway_admin import GatewayAdmin
-from corral.adapters.harness_play import (
+from corral.envs.agent_clis import find_agent_clis
+from corral.envs.bundle import load_bundle
+from corral.envs.protocol import AgentResult, AgentRun
+from corral.envs.server import build_app
+from corral.gateway.client import GatewayAdmin
+from corral.rollouts.harness_play import (
     HarnessOptions,
     HarnessPlayer,
     HarnessRollout,
@@ -41,11 +45,7 @@ from corral.adapters.harness_play import (
     harness_options,
     make_harness,
 )
-from corral.adapters.rows import EnvRef, Row, RowMetadata
-from corral.envs.agent_clis import find_agent_clis
-from corral.envs.bundle import load_bundle
-from corral.envs.protocol import AgentResult, AgentRun
-from corral.envs.server import build_app
+from corral.rollouts.rows import EnvRef, Row, RowMetadata
 from corral.sandboxes.bwrap import BwrapProvider
 from corral.sandboxes.local import LocalProvider
 from tests.conftest import ROOT, SANDBOX_IMAGE
@@ -212,8 +212,8 @@ async def test_a_gateway_without_an_admin_token_is_refused(tiny_model_dir: Path)
     its session's URL: the player refuses it before any session or episode is opened (the
     gateway's engine is never reached: it need not exist; nor the row's env server).
     Control: the scripted gateways of the other tests have a token and pass the same check."""
-    from corral.adapters.player import PlayerError
     from corral.gateway.server import create_gateway
+    from corral.rollouts.player import PlayerError
     from corral.serving import free_port, serve_in_thread
 
     dead_engine = f"http://127.0.0.1:{free_port()}"
@@ -386,8 +386,8 @@ def test_corral_play_and_eval_with_a_command_harness(
     transcript. Then the same row through ``eval_rows(..., harness=...)``."""
     import asyncio
 
-    from corral.adapters.evals import eval_rows, write_eval
     from corral.cli import main
+    from corral.rollouts.evals import eval_rows, write_eval
 
     # The local backend (no isolation) is enough here: what is under test is the command
     # line, the outputs and eval's path, not the sandbox (the CLI tests above cover those).

@@ -21,11 +21,11 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from corral.adapters.gateway_admin import GatewayAdmin
-from corral.adapters.player import Player, PlayerError
-from corral.adapters.rows import Row, RowSettings, write_rows
 from corral.envs.client import EnvClient
 from corral.envs.server import build_app
+from corral.gateway.client import GatewayAdmin
+from corral.rollouts.player import Player, PlayerError
+from corral.rollouts.rows import Row, RowSettings, write_rows
 from corral.stack import local_stack
 from tests.conftest import ROOT
 from tests.processes import kill_processes_in
@@ -242,7 +242,7 @@ async def test_a_gateway_lost_at_the_end_of_an_episode_flags_the_rollout(
 ) -> None:
     """The reward cannot reach the session (the gateway answers with an error): the rollout is
     flagged failed with the reason, so a training run drops its group instead of stopping."""
-    from corral.adapters.gateway_admin import GatewayAdminError
+    from corral.gateway.client import GatewayAdminError
     from corral.trainer.groups import DROP_FAILED, TrainRollout
 
     class Flaky(GatewayAdmin):
@@ -260,14 +260,14 @@ async def test_a_gateway_lost_at_the_end_of_an_episode_flags_the_rollout(
     assert TrainRollout.from_player(rollout).flag == DROP_FAILED
 
 
-async def test_gateway_admin_errors_name_the_call_and_what_came_back() -> None:
+async def test_gateway_client_errors_name_the_call_and_what_came_back() -> None:
     """A refusal carries the gateway's message and status; an answer that is not JSON and a
     gateway that is gone are GatewayAdminErrors too, never aiohttp's or json's exceptions."""
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse, PlainTextResponse
     from starlette.routing import Route
 
-    from corral.adapters.gateway_admin import GatewayAdminError
+    from corral.gateway.client import GatewayAdminError
     from corral.serving import free_port
 
     async def refuse(_: Any) -> JSONResponse:

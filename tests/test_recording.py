@@ -18,7 +18,7 @@ from corral.gateway.recording import (
     TurnRecord,
     common_prefix_length,
 )
-from corral.gateway.samples import Sample, status_for_finish
+from corral.samples import Sample, status_for_finish
 
 
 def enc(text: str) -> list[int]:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from corral.adapters.rows import RowsError, RowSettings, read_rows, write_rows
 from corral.envs.bundle import load_bundle
 from corral.envs.server import build_app
+from corral.rollouts.rows import RowsError, RowSettings, read_rows, write_rows
 from tests.servers import free_port, serve
 
 GRIDSIM = Path(__file__).resolve().parents[1] / "bundles" / "gridsim"

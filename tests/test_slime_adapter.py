@@ -26,10 +26,10 @@ from transformers import AutoTokenizer
 
 from corral.adapters import miles as miles_adapter
 from corral.adapters import slime as slime_adapter
-from corral.adapters.gateway_admin import GatewayAdmin
-from corral.adapters.rows import RowSettings, write_rows
 from corral.envs.server import build_app
-from corral.gateway.samples import Sample as CorralSample
+from corral.gateway.client import GatewayAdmin
+from corral.rollouts.rows import RowSettings, write_rows
+from corral.samples import Sample as CorralSample
 from tests import slime_standin as standin
 from tests.conftest import ROOT
 from tests.servers import serve

@@ -885,10 +885,10 @@ GRIDSIM_MOVES = [
 async def test_gridsim_episodes_are_one_sample_each_under_token_history(
     tiny_think_model_dir: Path, tmp_path: Path
 ) -> None:
-    from corral.adapters.gateway_admin import GatewayAdmin
-    from corral.adapters.player import Player, Rollout
-    from corral.adapters.rows import Row, RowSettings, write_rows
     from corral.envs.server import build_app
+    from corral.gateway.client import GatewayAdmin
+    from corral.rollouts.player import Player, Rollout
+    from corral.rollouts.rows import Row, RowSettings, write_rows
 
     episodes = 3
     out = tmp_path / "rows"

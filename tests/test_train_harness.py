@@ -124,9 +124,9 @@ def capture_requests(tiny_model_dir: Path, harness: str, tasks: Tasks, tmp_path:
     import asyncio
     import uuid
 
-    from corral.adapters.gateway_admin import GatewayAdmin
-    from corral.adapters.harness_play import HarnessPlayer, make_harness
     from corral.envs.server import build_app
+    from corral.gateway.client import GatewayAdmin
+    from corral.rollouts.harness_play import HarnessPlayer, make_harness
     from corral.sandboxes.bwrap import BwrapProvider
     from tests.test_harness_rollouts import shellcraft_row
 

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from corral.adapters.player import Rollout, RolloutTiming
-from corral.adapters.rows import EnvRef, Row, RowMetadata
-from corral.gateway.samples import Sample, SampleStatus
+from corral.rollouts.player import Rollout, RolloutTiming
+from corral.rollouts.rows import EnvRef, Row, RowMetadata
+from corral.samples import Sample, SampleStatus
 from corral.trainer.groups import (
     DROP_ABORTED,
     DROP_ALL_EQUAL,

@@ -15,8 +15,8 @@ import httpx
 import pytest
 import torch
 
-from corral.adapters.rows import RowSettings, read_rows, write_rows
 from corral.envs.server import build_app
+from corral.rollouts.rows import RowSettings, read_rows, write_rows
 from corral.stack import StackURLs, local_stack
 from corral.trainer.config import ConfigError, TrainConfig, load_config
 from corral.trainer.metrics import STEP_KEYS, read_metrics

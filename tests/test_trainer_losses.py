@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from corral.gateway.samples import Sample
+from corral.samples import Sample
 from corral.trainer.batches import (
     TokenStats,
     TrainBatch,

@@ -31,7 +31,7 @@ pytest.importorskip(
     "megatron.core", reason="megatron-core is not installed: pip install megatron-core"
 )
 
-from corral.gateway.samples import Sample  # noqa: E402
+from corral.samples import Sample  # noqa: E402
 from corral.trainer import megatron_cpu, parallel  # noqa: E402
 from corral.trainer.convert import (  # noqa: E402
     hf_to_megatron,

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from corral.adapters.player import PlayerError
-from corral.adapters.rows import Row, RowSettings, read_rows, write_rows
-from corral.gateway.samples import Sample
+from corral.rollouts.player import PlayerError
+from corral.rollouts.rows import Row, RowSettings, read_rows, write_rows
+from corral.samples import Sample
 from corral.stack import local_stack
 from corral.trainer.ray_cluster import (
     EnvServerHandle,

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from corral.adapters.gateway_admin import GatewayAdmin
-from corral.adapters.player import Player
-from corral.adapters.rows import Row, RowSettings, read_rows, write_rows
 from corral.envs.server import build_app
+from corral.gateway.client import GatewayAdmin
+from corral.rollouts.player import Player
+from corral.rollouts.rows import Row, RowSettings, read_rows, write_rows
 from corral.stack import local_stack
 from corral.trainer.groups import DROP_FAILED, BatchUnfillable, fill_batch
 from corral.trainer.losses import grpo_advantages

@@ -14,10 +14,10 @@ import httpx
 import pytest
 import torch
 
-from corral.adapters.gateway_admin import GatewayAdmin
-from corral.adapters.player import Player
-from corral.adapters.rows import RowSettings, read_rows, write_rows
 from corral.envs.server import build_app
+from corral.gateway.client import GatewayAdmin
+from corral.rollouts.player import Player
+from corral.rollouts.rows import RowSettings, read_rows, write_rows
 from corral.stack import StackURLs, local_stack
 from corral.trainer.groups import Group, filter_groups
 from tests.servers import serve

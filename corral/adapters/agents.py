@@ -8,7 +8,7 @@ through its own gateway session and to the episode's tools through an MCP server
 the reward (or the failure) land on the session. This agent runs on the host (development
 only; ``corral play`` makes itself non-dumpable first, :func:`make_undumpable`); with
 ``--harness`` the agent runs in the episode's own sandbox instead
-(:mod:`corral.adapters.harness_play`).
+(:mod:`corral.rollouts.harness_play`).
 
 What the agent is given, in its environment (the rest of the caller's environment is inherited,
 less the env server's token variable and any ``hidden_vars``: the agent reaches the env only
@@ -60,12 +60,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from corral.adapters.evals import Stats
-from corral.adapters.gateway_admin import GatewayAdmin, GatewayAdminError, SessionHandle
-from corral.adapters.rows import Row, RowsError, read_rows
 from corral.env_secrets import SecretMissing, env_secret
 from corral.envs.client import EnvClient, EnvClientError
-from corral.gateway.samples import Sample
+from corral.gateway.client import GatewayAdmin, GatewayAdminError, SessionCreated
+from corral.rollouts.evals import Stats, report_play
+from corral.rollouts.rows import Row, RowsError, read_rows
+from corral.samples import Sample
 
 if TYPE_CHECKING:  # the MCP SDK is imported when a rollout runs, not with the CLI
     from corral.adapters.mcp_tools import EpisodeTools, McpEndpoint
@@ -177,7 +177,7 @@ def _prompt(row: Row, role: str) -> str:
 
 def agent_environment(
     row: Row,
-    session: SessionHandle,
+    session: SessionCreated,
     endpoint: McpEndpoint,
     environ: Mapping[str, str],
     hidden_vars: Collection[str] = (),
@@ -362,7 +362,7 @@ async def play_with_agent(
 async def _run_agent_on_episode(
     rollout: AgentRollout,
     row: Row,
-    session: SessionHandle,
+    session: SessionCreated,
     tools: EpisodeTools,
     argv: list[str],
     environ: Mapping[str, str],
@@ -396,7 +396,7 @@ async def _run_agent_on_episode(
 
 
 async def _settle(
-    rollout: AgentRollout, gateway: GatewayAdmin, session: SessionHandle, tools: EpisodeTools
+    rollout: AgentRollout, gateway: GatewayAdmin, session: SessionCreated, tools: EpisodeTools
 ) -> None:
     """Rules 5-7: end and grade the episode when all went well, then set the reward on the
     session or flag it failed."""
@@ -520,9 +520,9 @@ def make_undumpable() -> bool:
 
 
 def _play(args: argparse.Namespace) -> int:
-    from corral.adapters.harness_play import harness_options
     from corral.cli.checks import rows_file
     from corral.cli.errors import RunError, UsageError
+    from corral.rollouts.harness_play import harness_options
 
     try:
         admin_token = env_secret(args.admin_token_var or None, "the gateway admin token")
@@ -538,7 +538,7 @@ def _play(args: argparse.Namespace) -> int:
     if not rows:
         raise RunError(f"no rows selected from {args.rows}")
     if options is not None:
-        from corral.adapters.harness_play import play_rows_with_harness
+        from corral.rollouts.harness_play import play_rows_with_harness
 
         return play_rows_with_harness(args, rows, admin_token, options)
     make_undumpable()
@@ -581,26 +581,9 @@ def _play_on_host(args: argparse.Namespace, rows: list[Row], admin_token: str | 
     return report_play(summary, failures, out)
 
 
-def report_play(summary: Stats, failures: Sequence[tuple[str, str | None]], out: Path) -> int:
-    """Print each failure's first line and the mean reward; ``corral play``'s exit code (1:
-    no episode was scored)."""
-    for task_id, reason in failures:
-        first_line = (reason or "").splitlines()[0] if reason else ""
-        print(f"failed {task_id}: {first_line}", file=sys.stderr)
-    if summary.mean is None:
-        print(f"no episode scored; {summary.failed} failed (see {out / 'episodes.jsonl'})")
-        return 1
-    spread = f" ± {summary.se:.4f}" if summary.se is not None else ""
-    print(
-        f"mean reward {summary.mean:.4f}{spread} (standard error) over {summary.graded} scored "
-        f"episodes; {summary.failed} failed, not counted (written to {out})"
-    )
-    return 0
-
-
 def add_play_command(sub: argparse._SubParsersAction) -> None:
     """Add ``corral play`` to the CLI's subcommands."""
-    from corral.adapters.harness_play import add_harness_arguments
+    from corral.rollouts.harness_play import add_harness_arguments
 
     play = sub.add_parser(
         "play",

@@ -53,10 +53,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from corral.adapters.gateway_admin import GatewayAdmin
-from corral.adapters.player import Player, Rollout
-from corral.adapters.rows import Row, RowMetadata
-from corral.gateway.samples import Sample as CorralSample
+from corral.gateway.client import GatewayAdmin
+from corral.rollouts.player import Player, Rollout
+from corral.rollouts.rows import Row, RowMetadata
+from corral.samples import Sample as CorralSample
 
 logger = logging.getLogger(__name__)
 
@@ -487,7 +487,7 @@ async def play_sample(
     ``tokenizer`` decodes ``response`` text (default: the gateway's model's).
 
     Raises ``ValueError`` for a sample that is not a corral row or sampling corral cannot honour,
-    and :class:`~corral.adapters.player.PlayerError` for a row that cannot be played at all
+    and :class:`~corral.rollouts.player.PlayerError` for a row that cannot be played at all
     (e.g. its token variable is unset): configuration errors, not failed rollouts."""
     row = row_from_sample(sample)
     overrides = session_sampling(sampling_params, evaluation=evaluation)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from corral.cli.errors import CliError, RunError, UsageError
 
 if TYPE_CHECKING:
-    from corral.adapters.gateway_admin import GatewayAdmin, GatewayAdminError
+    from corral.gateway.client import GatewayAdmin, GatewayAdminError
 
 MODEL_FIX = "{option} takes a local Hugging Face folder (`corral model tiny OUT` builds one)"
 # Any of these makes a folder's tokenizer loadable by transformers' AutoTokenizer.
@@ -61,7 +61,7 @@ async def probe_gateway(admin: GatewayAdmin, token_var: str | None) -> None:
     """Check that the gateway ``admin`` talks to answers and takes its admin token (one
     request), so that a wrong URL or token is one clear error before any episode starts.
     ``token_var`` is the variable the token came from (None: no token was given)."""
-    from corral.adapters.gateway_admin import GatewayAdminError
+    from corral.gateway.client import GatewayAdminError
 
     try:
         await admin.view(_PROBE_SESSION)

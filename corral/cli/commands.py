@@ -14,7 +14,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from corral.adapters.rows import RowSettings
 from corral.cli.checks import bundle_folder, gateway_error, model_folder, probe_gateway, rows_file
 from corral.cli.errors import RunError, UsageError, first_of
 from corral.envs.playcheck import DEFAULT_MARGIN, DEFAULT_SEED, DEFAULT_TASKS
@@ -27,6 +26,7 @@ from corral.gateway.settings import (
     HISTORY_MODES,
     GatewaySettings,
 )
+from corral.rollouts.rows import RowSettings
 from corral.sandboxes.base import SandboxError
 from corral.sandboxes.image import DEFAULT_TAG
 from corral.sandboxes.providers import BACKENDS
@@ -201,7 +201,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_rows(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
-    from corral.adapters.rows import RowsError, write_rows
+    from corral.rollouts.rows import RowsError, write_rows
 
     token = token_from_env(args.token_var, "--token-var")
     settings = RowSettings(
@@ -375,8 +375,8 @@ def _play_tables(report: Any) -> list[Any]:
 def read_rows(path: Path, split: str | None, limit: int | None) -> list[Any]:
     """The rows of a rows file (``corral rows`` output), of ``split`` only when given;
     UsageError for a missing or malformed file, RunError when nothing is selected."""
-    from corral.adapters.rows import RowsError
-    from corral.adapters.rows import read_rows as read_chosen
+    from corral.rollouts.rows import RowsError
+    from corral.rollouts.rows import read_rows as read_chosen
 
     try:
         rows = read_chosen(rows_file(path), split=split, limit=limit)
@@ -392,9 +392,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from rich.progress import Progress
 
-    from corral.adapters.evals import report_table, write_eval
-    from corral.adapters.harness_play import harness_options
     from corral.console import make_console, print_table
+    from corral.rollouts.evals import report_table, write_eval
+    from corral.rollouts.harness_play import harness_options
 
     harness = harness_options(args)
     rows = read_rows(Path(args.rows), args.split or None, args.limit)
@@ -417,7 +417,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 async def _probe(url: str, admin: str | None, token_var: str | None) -> None:
-    from corral.adapters.gateway_admin import GatewayAdmin
+    from corral.gateway.client import GatewayAdmin
 
     async with GatewayAdmin(url, admin) as gateway:
         await probe_gateway(gateway, token_var)
@@ -432,13 +432,13 @@ async def _eval(
     on_episode: Any,
     harness: Any = None,
 ) -> Any:
-    """:func:`~corral.adapters.evals.eval_rows`, its failures as CliErrors: the gateway's
+    """:func:`~corral.rollouts.evals.eval_rows`, its failures as CliErrors: the gateway's
     (unreachable, token refused), the env server's, a row's."""
     import httpx
 
-    from corral.adapters.evals import eval_rows
-    from corral.adapters.gateway_admin import GatewayAdminError
-    from corral.adapters.player import PlayerError
+    from corral.gateway.client import GatewayAdminError
+    from corral.rollouts.evals import eval_rows
+    from corral.rollouts.player import PlayerError
 
     try:
         return await eval_rows(
@@ -766,7 +766,7 @@ def _add_eval(sub: Any) -> None:
     ev.add_argument("--concurrency", type=int, default=8, help="episodes at once")
     ev.add_argument("--temperature", type=float, help="override the sampling temperature")
     ev.add_argument("--out", default=".corral/eval", help="where episodes and summary go")
-    from corral.adapters.harness_play import add_harness_arguments
+    from corral.rollouts.harness_play import add_harness_arguments
 
     add_harness_arguments(ev)
     ev.set_defaults(func=cmd_eval)

@@ -19,7 +19,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -28,6 +27,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from corral.engines.client import EngineClient
+from corral.gateway.client import FailBody, RewardBody, SessionCreated
 from corral.gateway.dialects.anthropic_messages import AnthropicMessages
 from corral.gateway.dialects.base import Dialect, RequestContext, validate
 from corral.gateway.dialects.chat_completions import ChatCompletions
@@ -36,12 +36,12 @@ from corral.gateway.errors import GatewayError, bad_request
 from corral.gateway.json_body import json_object
 from corral.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from corral.gateway.middleware import BodyLimit, RequestId, speaks_anthropic
+from corral.gateway.options import SessionOptions
 from corral.gateway.pipeline import Answer, TurnPipeline
 from corral.gateway.sessions import (
     Session,
     SessionClosed,
     SessionNotFound,
-    SessionOptions,
     SessionStore,
     StoreFull,
 )
@@ -63,18 +63,6 @@ T = TypeVar("T")
 # The Stainless-generated SDKs (OpenAI's and Anthropic's) send this on retries of a request.
 RETRY_HEADER = "x-stainless-retry-count"
 REAP_INTERVAL_S = 30.0
-
-
-class RewardBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    reward: float
-
-
-class FailBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    reason: str
 
 
 class ClientGone(Exception):
@@ -182,15 +170,10 @@ def build_gateway_app(
         except StoreFull as exc:
             raise GatewayError("rate_limit", str(exc), code="store_full") from None
         root = str(request.base_url).rstrip("/") + f"/sessions/{session.id}"
-        return JSONResponse(
-            {
-                "id": session.id,
-                "base_url": root + "/v1",
-                "anthropic_base_url": root,
-                "api_key": session.api_key,
-            },
-            status_code=201,
+        created = SessionCreated(
+            id=session.id, base_url=root + "/v1", anthropic_base_url=root, api_key=session.api_key
         )
+        return JSONResponse(created.model_dump(), status_code=201)
 
     @route("/sessions/{session_id}", "GET")
     async def get_session(request: Request, session_id: str) -> JSONResponse:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from corral.gateway.samples import Sample
+from corral.samples import Sample
 from corral.trainer.groups import Group
 
 

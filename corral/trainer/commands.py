@@ -79,10 +79,10 @@ def add_train_commands(sub: Any) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     """``corral train``: exit 0 when the run reached its steps (or had already: a message says
     so), 2 for a config that cannot run here, 1 when training failed."""
-    from corral.adapters.rows import RowsError
     from corral.cli.errors import RunError
     from corral.console import make_console
     from corral.envs.bundle import BundleError
+    from corral.rollouts.rows import RowsError
     from corral.trainer.groups import BatchUnfillable
     from corral.trainer.services import ServicesError
     from corral.trainer.weights import WeightSyncError

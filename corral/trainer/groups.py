@@ -1,6 +1,6 @@
 """Rollouts and groups for training, the group filter, and filling a step's batch.
 
-The trainer works on two levels above corral's :class:`~corral.gateway.samples.Sample`:
+The trainer works on two levels above corral's :class:`~corral.samples.Sample`:
 
 - a :class:`TrainRollout` is one episode: every sample sharing a ``rollout_id`` (a multi-turn
   episode whose context was rewritten can produce several), with the episode's one reward;
@@ -33,10 +33,10 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-from corral.gateway.samples import Sample
+from corral.samples import Sample
 
 if TYPE_CHECKING:
-    from corral.adapters.player import Rollout
+    from corral.rollouts.player import Rollout
 
 DROP_FAILED = "failed_rollout"
 DROP_ABORTED = "aborted_rollout"
@@ -97,7 +97,7 @@ class TrainRollout:
 
     @classmethod
     def from_player(cls, rollout: Rollout) -> TrainRollout:
-        """The training view of a player :class:`~corral.adapters.player.Rollout`: as
+        """The training view of a player :class:`~corral.rollouts.player.Rollout`: as
         :meth:`from_samples`, and flagged ``failed_rollout`` with the player's reason when the
         player says it failed, whatever its samples say."""
         view = cls.from_samples(rollout.samples)

@@ -42,11 +42,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from corral.adapters.evals import EvalReport, run_eval, write_eval
-from corral.adapters.gateway_admin import GatewayAdmin
-from corral.adapters.harness_play import HarnessPlayer
-from corral.adapters.player import Player, Rollout
-from corral.adapters.rows import Row
+from corral.gateway.client import GatewayAdmin
+from corral.rollouts.evals import EvalReport, run_eval, write_eval
+from corral.rollouts.harness_play import HarnessPlayer
+from corral.rollouts.player import Player, Rollout
+from corral.rollouts.rows import Row
 from corral.trainer.checkpoint import (
     TrainerState,
     latest_checkpoint,
@@ -318,7 +318,7 @@ class Trainer:
         agent = self.config.agent
         if agent is None:
             return Player(admin, sampling=sampling)
-        from corral.adapters.harness_play import make_harness
+        from corral.rollouts.harness_play import make_harness
 
         harness = make_harness(
             agent.harness,

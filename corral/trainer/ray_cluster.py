@@ -5,7 +5,7 @@ as Ray actors and tasks, for a run that spans machines (one machine needs no Ray
 - :func:`start_env_servers` serves a bundle from ``n`` actors spread over the nodes
   (:class:`EnvServerHandle`: its ``url`` is reachable from the other nodes).
 - :func:`start_rollout_workers` starts ``n`` actors that each hold a gateway admin client and a
-  :class:`~corral.adapters.player.Player` (:class:`RolloutWorkerHandle`).
+  :class:`~corral.rollouts.player.Player` (:class:`RolloutWorkerHandle`).
 - :class:`RayGroupDraw` is the ``draw`` of :func:`~corral.trainer.groups.fill_batch`, like
   :class:`~corral.trainer.rollouts.GroupDraw`, but playing its rows on the rollout workers.
 - :func:`run_on_ray` runs a function (the trainer's entry point) as a Ray task placed with the
@@ -16,10 +16,10 @@ Paths handed to actors (a bundle folder) must be readable on the node an actor l
 Ray is imported lazily: this module imports without it; using it without Ray raises an
 ``ImportError`` that says ``pip install 'corral[ray]'``.
 
-What crosses the Ray boundary is plain picklable data: rows (:class:`~corral.adapters.rows.Row`,
+What crosses the Ray boundary is plain picklable data: rows (:class:`~corral.rollouts.rows.Row`,
 a pydantic model) go to the workers, :class:`PlayedGroup` tuples (a
 :class:`~corral.trainer.groups.Group` and the player's
-:class:`~corral.adapters.player.Rollout` objects, sharing their samples) come back.
+:class:`~corral.rollouts.player.Rollout` objects, sharing their samples) come back.
 
 Nothing here waits forever on a dead or missing part: an actor that cannot be placed within
 ``start_timeout`` fails the start with the cluster's resources in the message; a rollout worker
@@ -45,8 +45,8 @@ from corral.trainer.groups import Group
 if TYPE_CHECKING:
     from types import ModuleType
 
-    from corral.adapters.player import Player, Rollout
-    from corral.adapters.rows import Row
+    from corral.rollouts.player import Player, Rollout
+    from corral.rollouts.rows import Row
     from corral.trainer.rollouts import RowSampler
 
 INSTALL_HINT = "pip install 'corral[ray]'"
@@ -256,8 +256,8 @@ class PlayedGroup(NamedTuple):
 
 class RolloutWorkerActor:
     """Ray actor (made remote by :func:`start_rollout_workers`): plays rows with a
-    :class:`~corral.adapters.player.Player` on a
-    :class:`~corral.adapters.gateway_admin.GatewayAdmin` of the gateway at ``gateway_url``,
+    :class:`~corral.rollouts.player.Player` on a
+    :class:`~corral.gateway.client.GatewayAdmin` of the gateway at ``gateway_url``,
     at most ``concurrency`` rollouts at once over all its calls. ``env``: token variables for
     the rows' env servers, looked up before the worker's own environment (a Ray worker's
     environment is its raylet's, not the driver's)."""
@@ -295,8 +295,8 @@ class RolloutWorkerActor:
         return node_ip(), str(context.get_actor_id())
 
     def _started(self) -> tuple[Player, asyncio.Semaphore]:
-        from corral.adapters.gateway_admin import GatewayAdmin
-        from corral.adapters.player import Player
+        from corral.gateway.client import GatewayAdmin
+        from corral.rollouts.player import Player
 
         if self._player is None or self._room is None:
             admin = GatewayAdmin(self._gateway_url, self._admin_token)
@@ -318,7 +318,7 @@ class RolloutWorkerActor:
         :class:`~corral.trainer.rollouts.GroupDraw` does: one :class:`PlayedGroup` per row, in
         order; every sample's metadata names the worker (``rollout_worker``). Failed rollouts
         come back flagged; a row that cannot be played at all
-        (:class:`~corral.adapters.player.PlayerError`) stops the call, cancelling the rest,
+        (:class:`~corral.rollouts.player.PlayerError`) stops the call, cancelling the rest,
         and that error is raised (the first, if several)."""
         from corral.trainer.rollouts import rollout_seed
 
@@ -499,7 +499,7 @@ class RayGroupDraw:
     does not answer within ``timeout`` seconds (``None``: no limit; the player's own deadlines
     still apply) has its call cancelled and fails the draw the same way, staying in
     ``workers``. An error raised by the play itself (a row that cannot be played:
-    :class:`~corral.adapters.player.PlayerError`) is re-raised as that error type with a note
+    :class:`~corral.rollouts.player.PlayerError`) is re-raised as that error type with a note
     naming the worker (and one per worker that failed in the same draw; a dead one still
     leaves ``workers``), and the other workers' groups are dropped, as ``GroupDraw`` drops a
     failing row's siblings: it is a configuration problem that stops the run. A cancelled

@@ -4,10 +4,10 @@
 the ``draw`` that :func:`~corral.trainer.groups.fill_batch` calls: for each of ``n`` rows it plays
 ``rollouts_per_row`` rollouts through the gateway (at most ``concurrency`` at once), each with
 the row's own ``group_index``, and returns one :class:`~corral.trainer.groups.Group` per row.
-The player may be a :class:`~corral.adapters.harness_play.HarnessPlayer` (``[agent]``: a
+The player may be a :class:`~corral.rollouts.harness_play.HarnessPlayer` (``[agent]``: a
 black-box agent plays each rollout in its episode's sandbox); its rollouts are counted,
 filtered and trained on like the episode player's.
-A row that cannot be played at all (:class:`~corral.adapters.player.PlayerError`: a
+A row that cannot be played at all (:class:`~corral.rollouts.player.PlayerError`: a
 configuration problem) stops the draw; failed rollouts come back flagged, and the filter drops
 their groups.
 """
@@ -20,9 +20,9 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
-from corral.adapters.harness_play import HarnessPlayer
-from corral.adapters.player import Player, Rollout
-from corral.adapters.rows import Row
+from corral.rollouts.harness_play import HarnessPlayer
+from corral.rollouts.player import Player, Rollout
+from corral.rollouts.rows import Row
 from corral.trainer.groups import Group
 
 T = TypeVar("T")

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from corral.adapters.evals import task_groups
-from corral.adapters.rows import RowSettings, read_rows, write_rows
 from corral.env_secrets import SecretMissing, env_secret
+from corral.rollouts.evals import task_groups
+from corral.rollouts.rows import RowSettings, read_rows, write_rows
 from corral.trainer.config import AgentSettings, SftConfig, TrainConfig
 from corral.trainer.loop import Services
 from corral.trainer.weights import DiskWeightSync, InProcessWeightSync, WeightSync
@@ -101,8 +101,8 @@ def agent_serving(agent: AgentSettings, sandbox: str | None, gateway: str) -> Ag
     """:class:`AgentServing` for ``[agent]`` with ``[env] sandbox`` ``sandbox`` and this
     run's ``gateway`` URL (``[agent] sandbox_gateway`` when set: the origin the env server
     reaches it at). ServicesError for a CLIs folder that does not exist."""
-    from corral.adapters.harness_play import origin
     from corral.envs.agent_bridge import AgentPolicy
+    from corral.rollouts.harness_play import origin
 
     clis_text = agent.clis or os.environ.get(AGENT_CLIS_VARIABLE) or None
     clis = Path(clis_text) if clis_text is not None else None

@@ -22,9 +22,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from corral.adapters.rows import Row, RowSettings, read_rows, write_rows
 from corral.envs.bundle import Bundle, load_bundle
 from corral.envs.episode import Task
+from corral.rollouts.rows import Row, RowSettings, read_rows, write_rows
 
 from .settings import BUNDLE, DaysSettings
 

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 from examples.gridsim_rl.report import baseline_days  # noqa: E402
 
 if TYPE_CHECKING:
-    from corral.adapters.evals import EvalReport
+    from corral.rollouts.evals import EvalReport
 
 
 def main() -> int:
@@ -52,9 +52,9 @@ def main() -> int:
     parser.add_argument("--temperature", type=float, nargs="+", default=[1.0, 1.5, 2.0])
     args = parser.parse_args()
 
-    from corral.adapters.evals import eval_rows
-    from corral.adapters.rows import RowSettings, read_rows, write_rows
     from corral.envs.server import build_app
+    from corral.rollouts.evals import eval_rows
+    from corral.rollouts.rows import RowSettings, read_rows, write_rows
     from corral.serving import serve_in_thread
     from corral.stack import local_stack
 

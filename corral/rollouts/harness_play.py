@@ -1,10 +1,10 @@
 """Rollouts through a harness: a black-box agent (Claude Code, Codex CLI, any command) plays a
 row *inside the episode's own sandbox*, graded on the workspace it leaves.
 
-:class:`HarnessPlayer` has the :class:`~corral.adapters.player.Player`'s interface (an async
-context manager; :meth:`HarnessPlayer.play` returns a :class:`~corral.adapters.player.Rollout`),
+:class:`HarnessPlayer` has the :class:`~corral.rollouts.player.Player`'s interface (an async
+context manager; :meth:`HarnessPlayer.play` returns a :class:`~corral.rollouts.player.Rollout`),
 so :class:`~corral.trainer.rollouts.GroupDraw`, ``Group.from_player`` and
-:func:`~corral.adapters.evals.run_eval` take it unchanged. One rollout:
+:func:`~corral.rollouts.evals.run_eval` take it unchanged. One rollout:
 
 1. a gateway session is opened (metadata: task, split, index, harness) while the row's episode
    starts on its env server (a full or restarting server is waited for within the row's
@@ -45,8 +45,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from corral.adapters.gateway_admin import GatewayAdmin, GatewayAdminError, SessionHandle
-from corral.adapters.player import (
+from corral.envs.client import EnvClient, EnvClientError, EnvServerError
+from corral.envs.protocol import AgentLaunch, AgentResult, AgentRun, ResetObservation
+from corral.gateway.client import GatewayAdmin, GatewayAdminError, SessionCreated
+from corral.harnesses import HARNESSES
+from corral.harnesses.base import AgentTask, Harness, HarnessError, SessionAccess
+from corral.rollouts.player import (
     PlayerError,
     Rollout,
     RolloutFailed,
@@ -55,14 +59,10 @@ from corral.adapters.player import (
     settle_session,
     start_episode,
 )
-from corral.adapters.rows import Row
-from corral.envs.client import EnvClient, EnvClientError, EnvServerError
-from corral.envs.protocol import AgentLaunch, AgentResult, AgentRun, ResetObservation
-from corral.harnesses import HARNESSES
-from corral.harnesses.base import AgentTask, Harness, HarnessError, SessionAccess
+from corral.rollouts.rows import Row
 
 if TYPE_CHECKING:
-    from corral.adapters.evals import Stats
+    from corral.rollouts.evals import Stats
 
 
 class _Failed(Exception):
@@ -87,7 +87,7 @@ class HarnessMarks:
 
 @dataclass(frozen=True)
 class HarnessRollout(Rollout):
-    """A :class:`~corral.adapters.player.Rollout` played by a harness, with the agent's
+    """A :class:`~corral.rollouts.player.Rollout` played by a harness, with the agent's
     ``run`` (``None`` when it never ran: the episode did not start, or the server refused the
     launch), the ``harness`` name and the rollout's ``marks``. ``turns`` counts the model turns
     the session recorded; ``messages`` are the row's (the agent's own conversation is in its
@@ -123,7 +123,7 @@ def origin(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
-def session_path(session: SessionHandle) -> str:
+def session_path(session: SessionCreated) -> str:
     """The session's path on the gateway, ``/sessions/<id>`` (its OpenAI base URL less
     ``/v1``): the harness appends what its agent's API needs."""
     path = urlsplit(session.base_url).path.rstrip("/")
@@ -305,7 +305,7 @@ class HarnessPlayer:
         )
 
     async def _launch(
-        self, session: SessionHandle, reset: asyncio.Future[StartedEpisode]
+        self, session: SessionCreated, reset: asyncio.Future[StartedEpisode]
     ) -> AgentLaunch:
         """The agent's launch once the episode has started; :class:`PlayerError` when the
         harness cannot launch it (a configuration problem), ``_Failed`` when the episode did
@@ -576,7 +576,7 @@ async def play_rows(
 def write_play_outputs(out: Path, rollouts: Sequence[HarnessRollout]) -> Stats:
     """``episodes.jsonl``, ``samples.jsonl``, ``summary.json`` and ``transcripts/<n>.jsonl``
     (``n``: the episode's line number, from 0) under ``out``; the summary."""
-    from corral.adapters.evals import Stats
+    from corral.rollouts.evals import Stats
 
     summary = Stats.of([None if r.failed else r.reward for r in rollouts])
     out.mkdir(parents=True, exist_ok=True)
@@ -602,9 +602,9 @@ def play_rows_with_harness(
     :class:`~corral.cli.errors.CliError` for a gateway or row that cannot be used."""
     from rich.progress import Progress
 
-    from corral.adapters.agents import report_play
     from corral.cli.checks import probe_gateway
     from corral.cli.errors import RunError, UsageError, first_of
+    from corral.rollouts.evals import report_play
 
     async def play_all(progress: Progress) -> list[HarnessRollout]:
         async with GatewayAdmin(args.gateway, admin_token) as gateway:

@@ -2,18 +2,27 @@
 
 Everything a rollout does with a session besides talking to the model (which goes through the
 session's own OpenAI endpoint, like any agent's) goes through :class:`GatewayAdmin`.
+
+The admin API's bodies are typed on both sides. :class:`SessionCreated` (the answer to
+``POST /sessions``), :class:`RewardBody` and :class:`FailBody` are defined here and the
+gateway's routes (:mod:`corral.gateway.app`) use them too; the body of ``POST /sessions`` is
+:class:`~corral.gateway.options.SessionOptions`, the model the gateway validates it with.
+This module imports only aiohttp, pydantic, :mod:`corral.samples` and the gateway's light
+option and settings modules: never the chat-template renderer (transformers, jinja2), which
+the base install has not.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import aiohttp
+from pydantic import BaseModel, ConfigDict, ValidationError
 
-from corral.gateway.samples import Sample
+from corral.gateway.options import SessionOptions
+from corral.samples import Sample
 
 
 class GatewayAdminError(Exception):
@@ -25,13 +34,33 @@ class GatewayAdminError(Exception):
         self.status = status
 
 
-@dataclass(frozen=True)
-class SessionHandle:
-    """A session: its id, the OpenAI base URL of its own, and the key that authenticates it."""
+class SessionCreated(BaseModel):
+    """The answer to ``POST /sessions``: the session's id, the OpenAI base URL of its own (for
+    Chat Completions and Responses), the Anthropic base URL of its own (for Messages; the SDK
+    appends ``/v1``), and the key that authenticates it on both."""
+
+    model_config = ConfigDict(frozen=True)
 
     id: str
     base_url: str
+    anthropic_base_url: str
     api_key: str
+
+
+class RewardBody(BaseModel):
+    """The body of ``POST /sessions/{id}/reward``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reward: float
+
+
+class FailBody(BaseModel):
+    """The body of ``POST /sessions/{id}/fail``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reason: str
 
 
 class GatewayAdmin:
@@ -62,8 +91,8 @@ class GatewayAdmin:
             )
         return self._session
 
-    async def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
-        data = None if body is None else json.dumps(body, separators=(",", ":")).encode()
+    async def _call(self, method: str, path: str, body: BaseModel | None = None) -> Any:
+        data = None if body is None else body.model_dump_json(exclude_defaults=True).encode()
         try:
             async with self._http().request(method, self.url + path, data=data) as answer:
                 status, raw = answer.status, await answer.read()
@@ -101,23 +130,24 @@ class GatewayAdmin:
         group_index: int | None = None,
         index: int | None = None,
         sampling: dict[str, Any] | None = None,
-    ) -> SessionHandle:
+    ) -> SessionCreated:
         """A new session; ``metadata``, ``group_index`` and ``index`` go into its samples,
         ``sampling`` overrides win over the client's values."""
-        body: dict[str, Any] = {"metadata": metadata or {}, "sampling": sampling or {}}
-        if group_index is not None:
-            body["group_index"] = group_index
-        if index is not None:
-            body["index"] = index
+        body = SessionOptions(
+            metadata=metadata or {}, sampling=sampling or {}, group_index=group_index, index=index
+        )
         made = await self._call("POST", "/sessions", body)
-        return SessionHandle(made["id"], made["base_url"], made["api_key"])
+        try:
+            return SessionCreated.model_validate(made)
+        except ValidationError as exc:
+            raise GatewayAdminError(f"POST /sessions: the answer is not a session: {exc}") from exc
 
     async def set_reward(self, session_id: str, reward: float) -> None:
-        await self._call("POST", f"/sessions/{session_id}/reward", {"reward": reward})
+        await self._call("POST", f"/sessions/{session_id}/reward", RewardBody(reward=reward))
 
     async def fail(self, session_id: str, reason: str) -> None:
         """Flag the session failed: every sample gets status ``failed`` and the reason."""
-        await self._call("POST", f"/sessions/{session_id}/fail", {"reason": reason})
+        await self._call("POST", f"/sessions/{session_id}/fail", FailBody(reason=reason))
 
     async def view(self, session_id: str) -> dict[str, Any]:
         """The session's turns, trajectories and drift report."""

@@ -1,6 +1,6 @@
 """Evals: play a split's rows through the gateway and report the mean reward with its error.
 
-:func:`run_eval` plays every row ``n`` times with the :class:`~corral.adapters.player.Player`
+:func:`run_eval` plays every row ``n`` times with the :class:`~corral.rollouts.player.Player`
 (at most ``concurrency`` at once) and returns an :class:`EvalReport`: the mean reward over the
 graded episodes with its standard error, how many failed (failed episodes are reported, never
 averaged in as 0), the share graded exactly 0, and the same per group when the bundle names a
@@ -8,7 +8,7 @@ averaged in as 0), the share graded exactly 0, and the same per group when the b
 writes every episode (messages, tool calls, scores, failure reason) to ``episodes.jsonl`` and
 the report to ``summary.json``.
 
-With a :class:`~corral.adapters.harness_play.HarnessPlayer` instead (``eval_rows(...,
+With a :class:`~corral.rollouts.harness_play.HarnessPlayer` instead (``eval_rows(...,
 harness=...)``, ``corral eval --harness``) a black-box agent plays each episode in its
 sandbox; each record then carries the agent's run (``agent``: exit, timings) and
 :func:`write_eval` writes its transcript to ``transcripts/<n>.jsonl`` (``n``: the record's line
@@ -21,23 +21,24 @@ import asyncio
 import json
 import math
 import statistics
+import sys
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
 from pydantic import BaseModel, Field
 
-from corral.adapters.gateway_admin import GatewayAdmin
-from corral.adapters.harness_play import (
+from corral.gateway.client import GatewayAdmin
+from corral.rollouts.harness_play import (
     HarnessOptions,
     HarnessPlayer,
     HarnessRollout,
     agent_summary,
 )
-from corral.adapters.player import Player, Rollout
-from corral.adapters.rows import Row
+from corral.rollouts.player import Player, Rollout
+from corral.rollouts.rows import Row
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -95,7 +96,7 @@ class EpisodeRecord(BaseModel):
     model_s: float
     tools_s: float
     total_s: float
-    # A harness's rollout: the agent's run (corral.adapters.harness_play.agent_summary), and
+    # A harness's rollout: the agent's run (corral.rollouts.harness_play.agent_summary), and
     # its transcript, written to a file of its own rather than into the line.
     agent: dict[str, Any] | None = None
     transcript: str | None = Field(default=None, exclude=True)
@@ -174,7 +175,7 @@ async def run_eval(
     on_episode: Callable[[EpisodeRecord], None] | None = None,
 ) -> EvalReport:
     """Play every row ``n`` times, at most ``concurrency`` at once; ``on_episode`` is called
-    as each ends (for a progress bar). A :class:`~corral.adapters.player.PlayerError` (a row
+    as each ends (for a progress bar). A :class:`~corral.rollouts.player.PlayerError` (a row
     that cannot be played at all) propagates and cancels the rest."""
     if n < 1 or concurrency < 1:
         raise ValueError("n and concurrency must be at least 1")
@@ -230,10 +231,27 @@ def report_table(report: EvalReport, title: str) -> Table:
     return table
 
 
+def report_play(summary: Stats, failures: Sequence[tuple[str, str | None]], out: Path) -> int:
+    """Print each failure's first line and the mean reward; ``corral play``'s exit code (1:
+    no episode was scored)."""
+    for task_id, reason in failures:
+        first_line = (reason or "").splitlines()[0] if reason else ""
+        print(f"failed {task_id}: {first_line}", file=sys.stderr)
+    if summary.mean is None:
+        print(f"no episode scored; {summary.failed} failed (see {out / 'episodes.jsonl'})")
+        return 1
+    spread = f" ± {summary.se:.4f}" if summary.se is not None else ""
+    print(
+        f"mean reward {summary.mean:.4f}{spread} (standard error) over {summary.graded} scored "
+        f"episodes; {summary.failed} failed, not counted (written to {out})"
+    )
+    return 0
+
+
 def write_eval(report: EvalReport, out: Path) -> None:
     """``episodes.jsonl`` (one line per episode), ``summary.json`` (the rest) and, for a
     harness's episodes, ``transcripts/<n>.jsonl`` in ``out``."""
-    from corral.adapters.harness_play import write_transcript
+    from corral.rollouts.harness_play import write_transcript
 
     out.mkdir(parents=True, exist_ok=True)
     with (out / "episodes.jsonl").open("w") as f:
@@ -260,7 +278,7 @@ async def eval_rows(
     """:func:`run_eval` against the gateway at ``gateway_url``, with the bundle's grouping.
     ``env_token``: the env servers' token, for their task API (episodes look it up through the
     rows' token variable). ``harness``: play with a
-    :class:`~corral.adapters.harness_play.HarnessPlayer` (an agent in each episode's sandbox)
+    :class:`~corral.rollouts.harness_play.HarnessPlayer` (an agent in each episode's sandbox)
     instead of the episode player."""
     group_by, groups = await asyncio.to_thread(task_groups, rows, env_token)
     async with GatewayAdmin(gateway_url, admin_token) as admin:

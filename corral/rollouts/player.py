@@ -34,12 +34,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from corral.adapters.gateway_admin import GatewayAdmin, GatewayAdminError, SessionHandle
-from corral.adapters.rows import Row
 from corral.env_secrets import SecretMissing, env_secret
 from corral.envs.client import EnvClient, EnvClientError, EnvServerError
 from corral.envs.protocol import CallToolObservation, ResetObservation, StepResult
-from corral.gateway.samples import Sample
+from corral.gateway.client import GatewayAdmin, GatewayAdminError, SessionCreated
+from corral.rollouts.rows import Row
+from corral.samples import Sample
 
 END_TURN = "end_turn"
 # Errors worth waiting out within reset_timeout: the server is full or not up (yet).
@@ -219,7 +219,7 @@ class Player:
     async def _episode(
         self,
         row: Row,
-        session: SessionHandle,
+        session: SessionCreated,
         client: EnvClient,
         reset: asyncio.Future[None],
         episode: _Episode,
