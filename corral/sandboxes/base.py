@@ -127,9 +127,24 @@ class SandboxProcess(abc.ABC):
         process ended or was killed). Lines are capped at :data:`MAX_LINE` bytes: a longer
         one raises :class:`SandboxError`."""
 
-    @abc.abstractmethod
+    _killing: asyncio.Future[None] | None = None  # the kill, once asked for
+
     async def kill(self) -> None:
-        """Kill the process and everything it started. Idempotent; never raises."""
+        """Kill the process and everything it started. Idempotent; never raises but for the
+        caller's cancellation, which propagates while the kill (shielded) finishes: the same
+        rule as :meth:`Sandbox.close`."""
+        if self._killing is None:
+            self._killing = asyncio.ensure_future(self._kill())
+        await asyncio.shield(self._killing)
+
+    @property
+    def killing(self) -> bool:
+        """Whether :meth:`kill` was called."""
+        return self._killing is not None
+
+    @abc.abstractmethod
+    async def _kill(self) -> None:
+        """Kill it; called once by :meth:`kill`. Never raises."""
 
     @abc.abstractmethod
     def stderr_tail(self) -> str:

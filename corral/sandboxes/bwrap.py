@@ -265,12 +265,6 @@ class BwrapSandbox(HostFolderFiles, Sandbox):
         await asyncio.to_thread(_destroy, self.folder, list(self.cgroups.values()), self._running)
         self._records.remove(self.id)
 
-    async def is_alive(self) -> bool:
-        try:
-            return self._closing is None and self.folder.is_dir()
-        except Exception:
-            return False
-
 
 def _destroy(folder: Path, cgroups: list[Path], running: set[int] | None = None) -> None:
     for pgid in list(running or ()):

@@ -37,10 +37,11 @@ What each container gets (``DockerProvider.create``):
   Labels are set atomically with the create call, so a server that crashes between "create
   requested" and "create answered" leaves a labelled container that :meth:`sweep` removes.
 
-Exec has two timeouts: inside, ``timeout --kill-after=1`` in a session of its own signals the
-command's whole process group; then (or when the exec has not returned ``timeout + 4`` s later)
-the host kills every process of the exec's session (``pkill -KILL -s``), which also ends children
-that moved to a process group of their own. A process that leaves the session
+Exec follows :mod:`corral.sandboxes.shell`: a docker exec leads a session of its own, whose id
+the wrapper writes down; inside, ``timeout --kill-after=1`` signals the command's whole process
+group; then (or when the exec has not returned ``timeout + 4`` s later, or its caller was
+cancelled) the host kills every process of the exec's session (``pkill -KILL -s``), which also
+ends children that moved to a process group of their own. A process that leaves the session
 (``setsid``) escapes the session kill but still dies with the container at ``close``.
 
 Not enforced: ``disk_mb`` outside the working folder (the root is read-only, ``/tmp`` is capped at
@@ -53,6 +54,7 @@ import asyncio
 import base64
 import contextlib
 import io
+import logging
 import os
 import re
 import shlex
@@ -63,6 +65,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import PurePosixPath
 from typing import Any
 
+from corral.sandboxes import shell
 from corral.sandboxes.base import (
     MAX_LINE,
     OWNER_LABEL,
@@ -80,6 +83,8 @@ from corral.sandboxes.cgroups import event_count
 from corral.sandboxes.image import DEFAULT_TAG
 from corral.sandboxes.ownership import expired, owner_gone, owner_labels
 from corral.sandboxes.streams import LineBuffer
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MEMORY_MB = 1024
 DEFAULT_CPUS = 1.0
@@ -103,8 +108,7 @@ _RUNNER_SETPRIV = (
     f"--ambient-caps={_CAPS}",
     "--",
 )
-HOST_GRACE_S = 3.0  # host-side kill this long after the in-sandbox timeout should have fired
-_STATE_DIR = "/tmp/.corral"  # exec bookkeeping inside the sandbox (stdin files)
+KILL_WAIT_S = 10.0  # how long a killed exec may take to answer
 _RUNNER_STATE_DIR = "/tmp/.corral-runner"  # spawn's, root's only: model actions cannot forge it
 
 
@@ -180,58 +184,39 @@ class DockerSandbox(Sandbox):
     ) -> ExecResult:
         if not cmd:
             raise ValueError("exec needs a command")
-        tag = uuid.uuid4().hex[:12]
-        sid_file = f"{_STATE_DIR}/{tag}.sid"
-        redirect = ""
-        if stdin is not None:
-            stdin_file = f"{_STATE_DIR}/{tag}.in"
-            await self._write_via_exec(stdin_file, stdin)
-            redirect = f" < {shlex.quote(stdin_file)}"
-        t = max(float(timeout), 0.001)
-        # A docker exec process leads a session of its own; the shell writes its session id
-        # down for the host-side kill. timeout signals its process group, SIGKILL 1 s later.
-        inner = (
-            f"mkdir -p {_STATE_DIR}; ps -o sid= -p $$ > {sid_file}; "
-            f'exec timeout --kill-after=1 {t:.3f} "$@"{redirect}'
-        )
-        wrapped = ["sh", "-c", inner, "sh", *cmd]
+        files = shell.SessionFiles.new(stdin=stdin is not None)
+        if stdin is not None and files.stdin:
+            await self._write_via_exec(files.stdin, stdin)
+        t = shell.inner_timeout(timeout)
         started = time.monotonic()
         task = asyncio.ensure_future(
             self._raw(
-                wrapped,
+                shell.docker_exec_argv(cmd, files, t),
                 environment=dict(env or {}),
                 workdir=cwd or self._spec.workdir,
             )
         )
-        kill = f"s=$(cat {sid_file} 2>/dev/null) && pkill -KILL -s $s; true"
-        host_killed = False
+
+        async def kill() -> None:
+            await self._kill_session(shell.kill_line(files.sid), EXEC_USER)
+
         try:
-            try:
-                code, out, err = await asyncio.wait_for(
-                    asyncio.shield(task), t + 1.0 + HOST_GRACE_S
-                )
-            except TimeoutError:
-                host_killed = True
-                with contextlib.suppress(SandboxError):
-                    await self._raw(["sh", "-c", kill])
-                try:
-                    code, out, err = await asyncio.wait_for(asyncio.shield(task), 10.0)
-                except TimeoutError:
-                    task.cancel()
-                    code, out, err = 137, b"", b""
+            (code, out, err), host_killed = await shell.wait_or_kill(
+                task,
+                deadline=shell.host_deadline(t),
+                kill=kill,
+                kill_wait=KILL_WAIT_S,
+                drop=task.cancel,
+                lost=(137, b"", b""),
+            )
             elapsed = time.monotonic() - started
-            timed_out = host_killed or code == 124 or (code == 137 and elapsed >= t)
+            timed_out = shell.timed_out(code, elapsed, t, host_killed=host_killed)
             if timed_out and not host_killed:
                 # What left timeout's process group (setpgid) is still in the session: kill it.
-                with contextlib.suppress(SandboxError):
-                    await self._raw(["sh", "-c", kill])
-        except BaseException:
-            task.cancel()
-            raise
+                await kill()
         finally:
             with contextlib.suppress(SandboxError):
-                cleanup = ["rm", "-f", sid_file, f"{_STATE_DIR}/{tag}.in"]
-                await self._raw(cleanup)
+                await self._raw(["rm", "-f", *files.paths])
         killed = False
         reason: str | None = "timeout" if timed_out else None
         if code != 0 or timed_out:
@@ -264,17 +249,13 @@ class DockerSandbox(Sandbox):
         whole. :class:`SandboxError` when the exec cannot be created or attached."""
         if not cmd:
             raise ValueError("spawn needs a command")
-        tag = uuid.uuid4().hex[:12]
-        sid_file = f"{_RUNNER_STATE_DIR}/{tag}.sid"
-        inner = (
-            f"mkdir -p -m 700 {_RUNNER_STATE_DIR}; ps -o sid= -p $$ > {sid_file}; "
-            f'exec {" ".join(_RUNNER_SETPRIV)} "$@"'
-        )
+        sid_file = shell.SessionFiles.new(_RUNNER_STATE_DIR).sid
+        argv = shell.docker_spawn_argv(cmd, sid_file, _RUNNER_SETPRIV)
 
         def create() -> str:
             made = self._client.api.exec_create(
                 self._container.id,
-                ["sh", "-c", inner, "sh", *cmd],
+                argv,
                 stdin=True,
                 stdout=True,
                 stderr=True,
@@ -292,11 +273,21 @@ class DockerSandbox(Sandbox):
             raise SandboxError(f"docker sandbox {self.id}: cannot start {cmd[0]!r}: {e}") from e
 
         async def kill_session() -> None:
-            script = f"s=$(cat {sid_file} 2>/dev/null) && pkill -KILL -s $s; rm -f {sid_file}"
-            with contextlib.suppress(SandboxError):
-                await self._raw(["sh", "-c", script], user=RUNNER_USER)
+            # Root reads the root-only sid file but, without CAP_KILL, cannot signal other
+            # uids: the runner's processes and then the model's are killed as their own uid.
+            line = shell.kill_line(sid_file, sid_file, as_uids=(RUNNER_UID, UID))
+            await self._kill_session(line, RUNNER_USER)
 
         return DockerProcess(reader, writer, kill_session)
+
+    async def _kill_session(self, line: str, user: str) -> None:
+        """Run the session kill ``line`` (:func:`~corral.sandboxes.shell.kill_line`) as
+        ``user``. Never raises: a failure is logged (the container's end kills everything
+        anyway)."""
+        try:
+            await self._raw(["sh", "-c", line], user=user)
+        except SandboxError as e:
+            log.debug("docker sandbox %s: session kill failed: %s", self.id, e)
 
     # -- files --------------------------------------------------------------------------------
 
@@ -387,11 +378,19 @@ class DockerSandbox(Sandbox):
         )
 
     async def is_alive(self) -> bool:
+        """Whether the container runs. Never raises: a container the daemon no longer knows
+        is not alive, nor is one whose state cannot be read (logged, with the error)."""
+        import docker.errors
+
         try:
             await asyncio.to_thread(self._container.reload)
-            return bool(self._container.status == "running")
-        except BaseException:
+        except docker.errors.NotFound as e:
+            log.debug("docker sandbox %s is gone: %s", self.id, e)
             return False
+        except Exception as e:
+            log.warning("docker sandbox %s: cannot read its state: %s", self.id, e)
+            return False
+        return bool(self._container.status == "running")
 
     async def _close(self) -> None:
         await asyncio.to_thread(_remove, self._client, self.id)
@@ -442,7 +441,6 @@ class DockerProcess(SandboxProcess):
         self._writer = writer
         self._kill_session = kill_session
         self._out = LineBuffer()
-        self._killed = False
         self._pump = asyncio.ensure_future(self._read_frames(reader))
 
     async def _read_frames(self, reader: asyncio.StreamReader) -> None:
@@ -461,7 +459,7 @@ class DockerProcess(SandboxProcess):
             self._out.close()
 
     async def write(self, data: bytes) -> None:
-        if self._killed or self._writer.is_closing() or self._out.closed:
+        if self.killing or self._writer.is_closing() or self._out.closed:
             raise SandboxError("the process has exited")
         try:
             self._writer.write(data)
@@ -472,15 +470,14 @@ class DockerProcess(SandboxProcess):
     async def readline(self) -> bytes:
         return await self._out.readline()
 
-    async def kill(self) -> None:
-        if self._killed:
-            return
-        self._killed = True
-        with contextlib.suppress(BaseException):
-            await self._kill_session()
+    async def _kill(self) -> None:
+        """Kill the exec's whole session, then close the connection."""
+        await self._kill_session()  # never raises
         self._writer.close()
-        with contextlib.suppress(BaseException):
-            await asyncio.wait_for(self._pump, 2.0)
+        # The pump ends once the daemon closes its side; it is not waited for forever.
+        _, late = await asyncio.wait({self._pump}, timeout=2.0)
+        for pump in late:
+            pump.cancel()
 
     def stderr_tail(self) -> str:
         return self._out.stderr_tail()

@@ -29,12 +29,13 @@ What each sandbox gets (:meth:`E2BProvider.create`):
   between "create requested" and "create answered" leaves a labelled sandbox that
   :meth:`E2BProvider.sweep` removes (and that E2B kills at its time to live anyway).
 
-Exec runs the command through envd as ``setsid sh -c ... timeout --kill-after=1 T cmd``: a
-session of its own whose id is written to a file under ``/tmp/.corral``. ``timeout`` signals the
-command's process group; then the wrapper SIGKILLs everything left in the session. If the exec
-has not answered ``HOST_GRACE_S`` after that, the host kills the session through a second
-command and the envd process itself; a cancelled exec or spawn is killed the same way (once
-started, if cancelled while starting). A process that leaves the session (``setsid``) escapes
+Exec follows :mod:`corral.sandboxes.shell`: the command runs through envd as
+``setsid sh -c ... timeout --kill-after=1 T cmd``, a session of its own whose id is written to a
+file under ``/tmp/.corral``. ``timeout`` signals the command's process group; then the wrapper
+SIGKILLs everything left in the session. If the exec has not answered
+:data:`~corral.sandboxes.shell.HOST_GRACE_S` after that, the host kills the session through a
+second command and the envd process itself; a cancelled exec or spawn is killed the same way
+(once started, if cancelled while starting). A process that leaves the session (``setsid``) escapes
 these kills but dies with the sandbox at ``close``. A spawned process's session goes with it:
 when it ends (by itself, or killed: a launcher killed outright) the wrapper kills what is left
 in the session, as the kubernetes backend does. The template needs ``sh``, ``setsid``
@@ -55,6 +56,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib.metadata
 import inspect
 import logging
@@ -64,12 +66,13 @@ import re
 import shlex
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from types import ModuleType
 from typing import Any
 
+from corral.sandboxes import shell
 from corral.sandboxes.base import (
     MAX_LINE,
     OWNER_LABEL,
@@ -89,11 +92,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TEMPLATE = "base"
 MAX_TTL_S = 24 * 3600  # E2B's longest sandbox lifetime (Pro tier; Hobby is 1 h)
-HOST_GRACE_S = 3.0  # host-side kill this long after the in-sandbox timeout should have fired
 STREAM_SLACK_S = 5.0  # envd's own deadline for an exec's stream: a backstop after ours
 KILL_WAIT_S = 10.0  # how long a killed command's stream may take to end
 ALL_TRAFFIC = "0.0.0.0/0"
-STATE_DIR = "/tmp/.corral"  # exec bookkeeping inside the sandbox (session ids, stdin files)
 _INSTALL_HINT = "pip install 'corral[e2b]'"
 
 # Keywords this backend passes, per SDK method: checked against the installed SDK's signatures
@@ -165,78 +166,6 @@ def missing_keywords(e2b: ModuleType, sandbox_cls: Any) -> dict[str, set[str]]:
     return {name: kws for name, kws in missing.items() if kws}
 
 
-# -- shell snippets run inside the sandbox -----------------------------------------------------
-
-# SIGKILL every process of session "$1" but the calling shell, twice (a process may fork while
-# the first pass runs). Reads /proc directly so that the template needs no procps; the fields
-# after the command name's closing ")" are: state ppid pgrp session.
-_KILL_SESSION_FN = (
-    "k() { for _ in 1 2; do for p in /proc/[0-9]*; do q=${p#/proc/}; "
-    '[ "$q" = "$$" ] && continue; '
-    '[ "$(sed \'s/.*) //\' "$p/stat" 2>/dev/null | cut -d\' \' -f4)" = "$1" ] '
-    '&& kill -KILL "$q" 2>/dev/null; done; done; }'
-)
-
-
-def _mkdir_for(path: str) -> str:
-    # Made on every run rather than once at create: the sandbox's user may remove it.
-    return f"mkdir -p {shlex.quote(str(PurePosixPath(path).parent))}"
-
-
-def _env_prefix(env: Mapping[str, str]) -> str:
-    """``env NAME=VALUE ... `` (or nothing): re-applies the caller's variables after envd's
-    ``bash -l``, whose login profile may reset some (Debian's resets ``PATH``)."""
-    if not env:
-        return ""
-    return "env -- " + " ".join(shlex.quote(f"{k}={v}") for k, v in env.items()) + " "
-
-
-def exec_line(
-    cmd: Sequence[str],
-    *,
-    timeout: float,
-    env: Mapping[str, str],
-    sid_file: str,
-    stdin_file: str | None,
-) -> str:
-    """The command line envd runs (under ``bash -l -c``) for one exec: a new session whose id
-    goes to ``sid_file``; ``timeout`` signals the command's group, SIGKILL 1 s later; on a
-    timeout (124, or 137 after the SIGKILL) everything else in the session is killed too; the
-    bookkeeping files are removed unless a timeout left them for the host-side kill."""
-    redirect = shlex.quote(stdin_file) if stdin_file else "/dev/null"
-    files = shlex.quote(sid_file) + (f" {shlex.quote(stdin_file)}" if stdin_file else "")
-    script = (
-        f"{_KILL_SESSION_FN}; {_mkdir_for(sid_file)}; echo $$ > {shlex.quote(sid_file)}; "
-        f'timeout --kill-after=1 {timeout:.3f} "$@" < {redirect}; s=$?; '
-        f"if [ $s -eq 124 ] || [ $s -eq 137 ]; then k $$; fi; rm -f {files}; exit $s"
-    )
-    return f"exec {_env_prefix(env)}setsid -w sh -c {shlex.quote(script)} sh {shlex.join(cmd)}"
-
-
-def spawn_line(cmd: Sequence[str], *, env: Mapping[str, str], sid_file: str) -> str:
-    """The command line for a spawned process: a shell leading a new session (its id in
-    ``sid_file``) runs ``cmd`` with envd's stdin and stdout pipes; when ``cmd`` ends (by
-    itself or killed) the shell SIGKILLs what is left in the session, then removes the file.
-    (Without that, what a spawned process started would outlive it until the sandbox ends:
-    once the file is gone the host-side kill finds no session to kill.)"""
-    q = shlex.quote(sid_file)
-    script = (
-        f'{_KILL_SESSION_FN}; {_mkdir_for(sid_file)}; echo $$ > {q}; "$@"; s=$?; k $$; '
-        f"rm -f {q}; exit $s"
-    )
-    return f"exec {_env_prefix(env)}setsid -w sh -c {shlex.quote(script)} sh {shlex.join(cmd)}"
-
-
-def kill_line(sid_file: str, *other_files: str) -> str:
-    """The command line that SIGKILLs the session named in ``sid_file`` (its process group
-    first, then every member) and removes the bookkeeping files; a missing file is fine."""
-    files = " ".join(shlex.quote(f) for f in (sid_file, *other_files))
-    return (
-        f"{_KILL_SESSION_FN}; s=$(cat {shlex.quote(sid_file)} 2>/dev/null); "
-        f'if [ -n "$s" ]; then kill -KILL -- "-$s" 2>/dev/null; k "$s"; fi; rm -f {files}; true'
-    )
-
-
 # -- the sandbox -------------------------------------------------------------------------------
 
 
@@ -259,7 +188,7 @@ class E2BSandbox(Sandbox):
         name: str,
         spec: SandboxSpec,
         public_endpoints: bool = False,
-        state_dir: str = STATE_DIR,
+        state_dir: str = shell.STATE_DIR,
     ) -> None:
         self.id = str(sdk_sandbox.sandbox_id)
         self.name = name
@@ -321,13 +250,15 @@ class E2BSandbox(Sandbox):
         code = int(res.exit_code)
         return _Outcome(137 if code < 0 else code, res.stdout or "", res.stderr or "")
 
-    async def _kill_session(self, sid_file: str, *other_files: str) -> None:
-        """SIGKILL the session named in ``sid_file`` through a second command. Best effort:
-        failures are logged, not raised (the sandbox's end kills everything anyway)."""
+    async def kill_session(self, files: shell.SessionFiles) -> None:
+        """SIGKILL the session named in ``files.sid`` through a second command and remove the
+        files. Best effort: failures are logged, not raised (the sandbox's end kills
+        everything anyway)."""
+        line = shell.kill_line(files.sid, *files.paths, procps=False)
         try:
-            await self._sbx.commands.run(kill_line(sid_file, *other_files), timeout=30)
+            await self._sbx.commands.run(line, timeout=30)
         except Exception as e:
-            log.warning("e2b sandbox %s: could not kill session %s: %s", self.id, sid_file, e)
+            log.warning("e2b sandbox %s: could not kill session %s: %s", self.id, files.sid, e)
 
     async def _write(self, path: str, data: bytes) -> None:
         try:
@@ -335,7 +266,7 @@ class E2BSandbox(Sandbox):
         except Exception as e:
             raise self._error(f"cannot write {path}", e) from e
 
-    async def _start(self, line: str, files: Sequence[str], **kw: Any) -> Any:
+    async def _start(self, line: str, files: shell.SessionFiles, **kw: Any) -> Any:
         """Start ``line`` in the background; the SDK's handle. :class:`SandboxError` as for
         :meth:`_run`. A caller cancelled while it starts still gets it killed (once started,
         in a task of its own), so a cancellation never leaves a command running."""
@@ -349,41 +280,21 @@ class E2BSandbox(Sandbox):
             await asyncio.shield(cleanup)
             raise
 
-    async def _abort_started(self, starting: asyncio.Future[Any], files: Sequence[str]) -> None:
+    async def _abort_started(
+        self, starting: asyncio.Future[Any], files: shell.SessionFiles
+    ) -> None:
         try:
             handle = await starting
         except Exception:
             return  # it never started
         await self._abort(handle, files)
 
-    async def _abort(self, handle: Any, files: Sequence[str]) -> None:
-        """Kill an exec's session (named in ``files[0]``), remove its files and kill its envd
-        process. Never raises."""
-        await self._kill_session(*files)
+    async def _abort(self, handle: Any, files: shell.SessionFiles) -> None:
+        """Kill a command's session, remove its files and kill its envd process. Never
+        raises."""
+        await self.kill_session(files)
         with contextlib.suppress(Exception):
             await handle.kill()
-
-    async def _wait_or_kill(
-        self, handle: Any, deadline: float, files: Sequence[str]
-    ) -> tuple[_Outcome, bool]:
-        """The command's outcome, and whether the host had to kill it: past ``deadline``
-        seconds the session is killed from outside (then its stream gets
-        :data:`KILL_WAIT_S` to end, else the outcome is a bare 137). A cancelled caller also
-        kills it (shielded, so the kill finishes)."""
-        waiting = asyncio.ensure_future(self._outcome(handle))
-        try:
-            return await asyncio.wait_for(asyncio.shield(waiting), deadline), False
-        except TimeoutError:
-            await self._abort(handle, files)
-            try:
-                return await asyncio.wait_for(asyncio.shield(waiting), KILL_WAIT_S), True
-            except TimeoutError:
-                waiting.cancel()
-                return _Outcome(137, "", ""), True
-        except BaseException:
-            waiting.cancel()
-            await asyncio.shield(asyncio.ensure_future(self._abort(handle, files)))
-            raise
 
     async def exec(
         self,
@@ -400,28 +311,35 @@ class E2BSandbox(Sandbox):
         if not cmd:
             raise ValueError("exec needs a command")
         self._check_open()
-        tag = uuid.uuid4().hex[:16]
-        sid_file = f"{self._state_dir}/{tag}.sid"
-        stdin_file = None
-        if stdin is not None:
-            stdin_file = f"{self._state_dir}/{tag}.in"
-            await self._write(stdin_file, stdin)
-        t = max(float(timeout), 0.001)
+        files = shell.SessionFiles.new(self._state_dir, stdin=stdin is not None)
+        if stdin is not None and files.stdin:
+            await self._write(files.stdin, stdin)
+        t = shell.inner_timeout(timeout)
         full_env = self._env(env)
-        line = exec_line(cmd, timeout=t, env=full_env, sid_file=sid_file, stdin_file=stdin_file)
-        deadline = t + 1.0 + HOST_GRACE_S
-        files = (sid_file, stdin_file) if stdin_file else (sid_file,)
+        deadline = shell.host_deadline(t)
         started = time.monotonic()
         handle = await self._start(
-            line,
+            shell.e2b_exec_line(cmd, files, env=full_env, t=t),
             files,
             envs=full_env,
             cwd=self._abs(cwd or self.spec.workdir),
             timeout=deadline + STREAM_SLACK_S,
         )
-        out, host_killed = await self._wait_or_kill(handle, deadline, files)
+        waiting = asyncio.ensure_future(self._outcome(handle))
+
+        async def kill() -> None:
+            await self._abort(handle, files)
+
+        out, host_killed = await shell.wait_or_kill(
+            waiting,
+            deadline=deadline,
+            kill=kill,
+            kill_wait=KILL_WAIT_S,
+            drop=waiting.cancel,
+            lost=_Outcome(137, "", ""),
+        )
         elapsed = time.monotonic() - started
-        timed_out = host_killed or out.exit_code == 124 or (out.exit_code == 137 and elapsed >= t)
+        timed_out = shell.timed_out(out.exit_code, elapsed, t, host_killed=host_killed)
         return ExecResult(
             exit_code=out.exit_code,
             stdout=out.stdout,
@@ -442,12 +360,12 @@ class E2BSandbox(Sandbox):
         if not cmd:
             raise ValueError("spawn needs a command")
         self._check_open()
-        sid_file = f"{self._state_dir}/{uuid.uuid4().hex[:16]}.sid"
+        files = shell.SessionFiles.new(self._state_dir)
         full_env = self._env(env)
-        proc = E2BProcess(self, sid_file)
+        proc = E2BProcess(functools.partial(self.kill_session, files))
         handle = await self._start(
-            spawn_line(cmd, env=full_env, sid_file=sid_file),
-            (sid_file,),
+            shell.e2b_spawn_line(cmd, files, env=full_env),
+            files,
             stdin=True,
             envs=full_env,
             cwd=self._abs(cwd or self.spec.workdir),
@@ -494,12 +412,14 @@ class E2BSandbox(Sandbox):
         return Endpoint(str(self._sbx.get_host(port)), 443)
 
     async def is_alive(self) -> bool:
-        """Whether envd inside answers its health check. Never raises."""
+        """Whether envd inside answers its health check. Never raises: a check that fails is
+        "not alive" (logged, with the error)."""
         if self._closing is not None:
             return False
         try:
             return bool(await self._sbx.is_running())
-        except Exception:
+        except Exception as e:
+            log.warning("e2b sandbox %s: its health check failed: %s", self.id, e)
             return False
 
     async def _close(self) -> None:
@@ -516,13 +436,11 @@ class E2BProcess(SandboxProcess):
     decoded text chunks (UTF-8, invalid bytes replaced); they are re-encoded and split into
     lines for :meth:`readline`."""
 
-    def __init__(self, sandbox: E2BSandbox, sid_file: str) -> None:
-        self._sandbox = sandbox
-        self._sid_file = sid_file
+    def __init__(self, kill_session: Callable[[], Awaitable[None]]) -> None:
+        self._kill_session = kill_session  # kills the process's session inside; never raises
         self._handle: Any = None
         self._out = LineBuffer(MAX_LINE)
         self._ended: asyncio.Future[None] | None = None
-        self._killed = False
 
     def attach(self, handle: Any) -> None:
         """Start watching ``handle`` (the SDK's command handle) for the end of the process."""
@@ -545,7 +463,7 @@ class E2BProcess(SandboxProcess):
         self._out.add_stderr(chunk.encode())
 
     async def write(self, data: bytes) -> None:
-        if self._killed or (self._ended is not None and self._ended.done()):
+        if self.killing or (self._ended is not None and self._ended.done()):
             raise SandboxError("the process has exited")
         try:
             await self._handle.send_stdin(data)
@@ -555,12 +473,9 @@ class E2BProcess(SandboxProcess):
     async def readline(self) -> bytes:
         return await self._out.readline()
 
-    async def kill(self) -> None:
-        if self._killed:
-            return
-        self._killed = True
-        with contextlib.suppress(Exception):
-            await self._sandbox._kill_session(self._sid_file)
+    async def _kill(self) -> None:
+        """Kill the process's session inside and its envd process."""
+        await self._kill_session()
         with contextlib.suppress(Exception):
             await self._handle.kill()
         if self._ended is not None:
@@ -602,7 +517,7 @@ class E2BProvider(SandboxProvider):
         sdk: Any = None,
         api_params: Mapping[str, Any] | None = None,
         public_endpoints: bool = False,
-        state_dir: str = STATE_DIR,
+        state_dir: str = shell.STATE_DIR,
     ) -> None:
         self.owner = owner
         self.template = template

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import shutil
 import signal
@@ -27,7 +28,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Literal
+from typing import Any, Literal
 
 from corral.sandboxes.base import (
     MAX_LINE,
@@ -42,6 +43,8 @@ from corral.sandboxes.base import (
     setpriv_jail,
 )
 from corral.sandboxes.records import Record, RecordStore
+
+log = logging.getLogger(__name__)
 
 DEFAULT_STATE_DIR = Path(tempfile.gettempdir()) / "corral-sandboxes"
 NOBODY = 65534  # the model's uid (and gid) when the server runs as root
@@ -73,16 +76,15 @@ async def run_tree(
     """Run ``argv`` as the leader of a new session; on timeout (or cancellation) SIGKILL the
     whole process group. The leader's pid is in ``running`` while it runs (so a close can kill
     it). Raises ``OSError`` if ``argv`` cannot be started."""
-    proc = await asyncio.create_subprocess_exec(
-        *argv,
+    proc = await start_session(
+        argv,
         stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         env=dict(env),
         cwd=cwd,
-        start_new_session=True,  # its own process group: one killpg reaches the whole tree
         pass_fds=pass_fds,
-    )
+    )  # its own session and process group: one killpg reaches the whole tree
     running.add(proc.pid)
     comm = asyncio.ensure_future(proc.communicate(stdin))
     timed_out = False
@@ -106,6 +108,28 @@ async def run_tree(
         running.discard(proc.pid)
     rc = proc.returncode
     return RunOutcome(rc if rc is not None else -9, out, err, timed_out)
+
+
+async def start_session(argv: Sequence[str], **kw: Any) -> asyncio.subprocess.Process:
+    """``create_subprocess_exec(*argv, start_new_session=True, **kw)`` that a cancellation
+    cannot orphan: a caller cancelled while the process starts (it may already run) waits for
+    the start to finish, since the descriptors it passes stay in use until then, gets the new
+    process group killed, and re-raises. ``OSError`` if ``argv`` cannot be started."""
+    starting = asyncio.ensure_future(
+        asyncio.create_subprocess_exec(*argv, start_new_session=True, **kw)
+    )
+    try:
+        return await asyncio.shield(starting)
+    except asyncio.CancelledError:
+        starting.add_done_callback(_kill_started)
+        with contextlib.suppress(Exception):  # OSError: it never started
+            await asyncio.shield(starting)
+        raise
+
+
+def _kill_started(starting: asyncio.Future[asyncio.subprocess.Process]) -> None:
+    if not starting.cancelled() and starting.exception() is None:
+        kill_group(starting.result().pid)
 
 
 def kill_group(pgid: int) -> None:
@@ -136,14 +160,13 @@ class PipeProcess(SandboxProcess):
         pass_fds: tuple[int, ...] = (),
     ) -> PipeProcess:
         """Start ``argv`` with piped stdio; ``OSError`` if it cannot be started."""
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
+        proc = await start_session(
+            argv,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             env=dict(env),
             cwd=cwd,
-            start_new_session=True,
             pass_fds=pass_fds,
             limit=MAX_LINE,
         )
@@ -172,25 +195,39 @@ class PipeProcess(SandboxProcess):
         except ValueError as e:  # asyncio's "separator not found, chunk exceeds the limit"
             raise SandboxError(f"a line of output is over {MAX_LINE} bytes") from e
 
-    async def kill(self) -> None:
+    async def _kill(self) -> None:
+        """SIGKILL the process group, reap the leader, let stderr drain a moment."""
         kill_group(self._proc.pid)
         self._running.discard(self._proc.pid)
-        with contextlib.suppress(Exception):
-            await self._proc.wait()
-        with contextlib.suppress(BaseException):
-            await asyncio.wait_for(self._drain, _DRAIN_S)
+        # asyncio's wait() also waits for the pipes to close, and stderr drains until then: a
+        # grandchild that left the group may hold them open, and is not waited for long.
+        waiting = {asyncio.ensure_future(self._proc.wait()), self._drain}
+        _, late = await asyncio.wait(waiting, timeout=_DRAIN_S)
+        for fut in late:
+            fut.cancel()
 
     def stderr_tail(self) -> str:
         return self._tail.decode(errors="replace")
 
 
 class HostFolderFiles:
-    """``write_file``/``read_file`` for sandboxes whose workdir is a folder on the host (local,
-    bwrap): files go straight to the folder, never through an exec."""
+    """``write_file``/``read_file`` and ``is_alive`` for sandboxes whose workdir is a folder on
+    the host (local, bwrap): files go straight to the folder, never through an exec, and the
+    sandbox lives as long as the folder."""
 
     id: str
     folder: Path
     spec: SandboxSpec
+    _closing: asyncio.Task[None] | None
+
+    async def is_alive(self) -> bool:
+        """Whether the sandbox is open and its folder exists. Never raises: a folder that
+        cannot be looked at is "not alive" (logged, with the error)."""
+        try:
+            return self._closing is None and self.folder.is_dir()
+        except Exception as e:
+            log.warning("sandbox %s: cannot look at %s: %s", self.id, self.folder, e)
+            return False
 
     def host_path(self, path: str) -> Path:
         """The host path for ``path`` (absolute under ``workdir``, or relative to it).
@@ -298,12 +335,6 @@ class LocalSandbox(HostFolderFiles, Sandbox):
             kill_group(pgid)
         await asyncio.to_thread(shutil.rmtree, self.folder, True)
         self._records.remove(self.id)
-
-    async def is_alive(self) -> bool:
-        try:
-            return self._closing is None and self.folder.is_dir()
-        except Exception:
-            return False
 
 
 def _is_dir(path: str) -> bool:
