@@ -309,33 +309,26 @@ class TokenHistory:
         self,
         conversations: ConversationIndex,
         trajectories: Sequence[Trajectory],
-        request: Sequence[Message],
+        keys: tuple[Message, ...],
+        messages: list[dict[str, Any]],
         tools: Sequence[Tool],
         kwargs: dict[str, Any],
         label: str | None,
-        keys: tuple[Message, ...] | None = None,
     ) -> TokenPrompt | str | None:
-        """The token-history prompt of a request (its ``request`` messages under ``tools`` and
-        template variables ``kwargs``) in a session holding ``trajectories`` and
-        ``conversations`` (``keys``: the request's :func:`message_key` s, if already made). A
+        """The token-history prompt of a request in a session holding ``trajectories`` and
+        ``conversations``: ``keys`` are its messages' :func:`message_key` s, ``messages`` the
+        same in template form, ``tools`` and ``kwargs`` its tools and template variables. A
         reason (str) when the request shares messages with a held conversation of its
         ``label`` but continues none; ``None`` when it shares none (a first turn, or another
         conversation: rendered in full with nothing to explain)."""
-        if keys is None:
-            keys = tuple(message_key(m) for m in request)
         match = conversations.find(keys, tools, kwargs_key(kwargs), label)
         if match is None:
             # A request that shares not even its first message with what is held is another
             # conversation (a sub-agent, a side task), not a history that failed to match.
             return NO_HELD_CONVERSATION if conversations.shared(keys, label) > 0 else None
         t = trajectories[match.held.trajectory]
-        outcome = self.continuation(
-            match,
-            t.tokens,
-            [m.template() for m in request],
-            [tool.template() for tool in tools] or None,
-            kwargs,
-        )
+        template_tools = [tool.template() for tool in tools] or None
+        outcome = self.continuation(match, t.tokens, messages, template_tools, kwargs)
         if isinstance(outcome, Fallback):
             return outcome.reason
         return TokenPrompt(t.tokens[: outcome.held].tolist() + outcome.suffix_ids, outcome)

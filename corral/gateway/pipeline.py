@@ -109,9 +109,9 @@ class PreparedTurn:
     # How the prompt was built, and why token history was not used when it was asked for.
     history: HistoryMode = "template"
     history_fallback: str | None = None
-    # The request's messages as the session compares them (history.message_key); made only
-    # under token history, which remembers them.
-    keys: tuple[Message, ...] = ()
+    # The request's messages as the session compares them (history.message_key); only under
+    # token history, the one that remembers conversations (None: nothing to remember).
+    keys: tuple[Message, ...] | None = None
     id: str = field(default_factory=new_turn_id)
     created: int = field(default_factory=now_s)
 
@@ -131,8 +131,8 @@ class _Output:
 
 @dataclass
 class Answer:
-    """A finished turn: the result the client received, the turns to record and, one per
-    turn, the conversation a later request may continue."""
+    """A finished turn: the result the client received, the turns to record and, under token
+    history, one per turn, the conversation a later request may continue (else none)."""
 
     result: TurnResult
     turns: list[TurnRecord]
@@ -219,17 +219,17 @@ class TurnPipeline:
         history: HistoryMode = "template"
         fallback: str | None = None
         built: TokenPrompt | str | None = None
-        keys: tuple[Message, ...] = ()
+        keys: tuple[Message, ...] | None = None
         if self.history_mode(session) == "tokens":
             keys = tuple(message_key(m) for m in request.messages)
             built = self.history.prompt(
                 session.conversations,
                 session.merger.trajectories,
-                request.messages,
+                keys,
+                messages,
                 request.tools,
                 kwargs,
                 request.label,
-                keys,
             )
         if isinstance(built, TokenPrompt) and len(built.ids) >= limit:
             # Held tokens may be longer than the template's rendering (kept think blocks):
@@ -440,9 +440,10 @@ class TurnPipeline:
                 completion_tokens=sum(len(o.output_ids) for o in outputs),
             ),
         )
+        keys = call.keys
         conversations = [
             TurnConversation(
-                keys=(*call.keys, message_key(_reply_message(o.choice))),
+                keys=(*keys, message_key(_reply_message(o.choice))),
                 tools=call.request.tools,
                 kwargs=kwargs_key(call.template_kwargs),
                 label=call.request.label,
@@ -451,6 +452,7 @@ class TurnPipeline:
                 finish=o.engine_finish.type,
             )
             for o in outputs
+            if keys is not None
         ]
         return Answer(result=result, turns=self._turns(call, outputs), conversations=conversations)
 
@@ -645,11 +647,11 @@ class TurnPipeline:
     def commit(self, session: Session, answer: Answer) -> None:
         """Record a delivered answer. Raises ``SessionClosed`` (nothing recorded) when the
         session was deleted meanwhile."""
-        tokens = self.history_mode(session) == "tokens"
-        for turn, conversation in zip(answer.turns, answer.conversations, strict=True):
+        for i, turn in enumerate(answer.turns):
             decision = session.record(turn)
-            if tokens:
+            if answer.conversations:
                 appended = decision.action == "append"
+                conversation = answer.conversations[i]
                 session.conversations.record(decision.trajectory, appended, conversation)
 
     async def _abort_all(self, rids: Sequence[str]) -> None:

@@ -525,10 +525,12 @@ class _Checker:
         """The prompt, the continuation it was built with (None: rendered in full) and the
         fallback reason, as :meth:`TurnPipeline.render` decides them."""
         full = self.renderer.encode(turn.prompt_text)
+        request = shape.messages[: turn.index]
         built = self.history.prompt(
             held,
             merger.trajectories,
-            shape.messages[: turn.index],
+            _keys(request),
+            [m.template() for m in request],
             shape.tools,
             shape.kwargs,
             None,
