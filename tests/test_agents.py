@@ -34,13 +34,12 @@ from mcp.client.streamable_http import streamable_http_client
 from corral.adapters.agents import (
     AgentConfigError,
     AgentRollout,
-    add_play_command,
-    cmd_play,
     play_rows_with_agent,
     play_with_agent,
     summarize,
 )
 from corral.adapters.mcp_tools import META_KEY, EpisodeTools, serve_episode_tools
+from corral.cli.play import add_play_command, cmd_play
 from corral.engines.tiny_model import TOOLS
 from corral.envs.client import EnvClient
 from corral.envs.server import build_app

@@ -17,7 +17,8 @@ import pytest
 
 from corral.envs.bundle import Bundle, load_bundle
 from corral.envs.client import EnvClient, EnvClientError, EnvServerError, EpisodeLostError
-from corral.envs.server import Episode, EpisodeManager, build_app
+from corral.envs.episodes import Episode, EpisodeManager
+from corral.envs.server import build_app
 from tests.servers import free_port, serve
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,7 +95,7 @@ SERVE_CLI = [sys.executable, "-m", "corral.cli", "serve", str(GRIDSIM), "--port"
 SERVE_HELPER = [
     sys.executable,
     "-c",
-    "from corral.envs.server import build_app, run_server; "
+    "from corral.envs.running import run_server; from corral.envs.server import build_app; "
     f"run_server(build_app({str(GRIDSIM)!r}), port={{port}}, log_level='warning')",
 ]
 
@@ -213,7 +214,7 @@ async def test_sigterm_wakes_a_reset_waiting_for_capacity() -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     code = (
-        "from corral.envs.server import build_app, run_server; "
+        "from corral.envs.running import run_server; from corral.envs.server import build_app; "
         f"run_server(build_app({str(GRIDSIM)!r}, max_concurrent_envs=1, reset_timeout=600), "
         f"port={port}, log_level='warning')"
     )

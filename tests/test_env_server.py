@@ -15,7 +15,8 @@ import websockets
 
 from corral.envs.bundle import Bundle, load_bundle
 from corral.envs.client import EnvClient, EnvClientError, EnvServerError, ws_url
-from corral.envs.server import EpisodeManager, Metrics, build_app
+from corral.envs.episodes import EpisodeManager, Metrics
+from corral.envs.server import build_app
 from tests.servers import serve
 
 GRIDSIM = Path(__file__).resolve().parent.parent / "bundles" / "gridsim"

@@ -345,7 +345,7 @@ def _start_env_server(port: int) -> subprocess.Popen[bytes]:
     """run_server(build_app(gridsim)) in a child with RLIMIT_NOFILE 256, max_pending=20 and a
     far head deadline; returns once it answers /health."""
     code = (
-        "from corral.envs.server import build_app, run_server; "
+        "from corral.envs.running import run_server; from corral.envs.server import build_app; "
         "from corral.transport import TransportLimits; "
         f"run_server(build_app({str(GRIDSIM)!r}), port={port}, log_level='warning', "
         "limits=TransportLimits(max_pending=20, head_timeout_s=60))"

@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 
+from corral.cli.harness import harness_options
 from corral.envs.agent_clis import find_agent_clis
 from corral.envs.bundle import load_bundle
 from corral.envs.protocol import AgentResult, AgentRun
@@ -42,7 +43,6 @@ from corral.rollouts.harness_play import (
     HarnessRollout,
     _Outcome,
     add_harness_arguments,
-    harness_options,
     make_harness,
 )
 from corral.rollouts.rows import EnvRef, Row, RowMetadata

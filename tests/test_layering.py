@@ -14,12 +14,18 @@ package is its first level below ``corral`` (``corral.gateway.app`` -> ``corral.
    client), the envs, ``corral.samples``, and not ``corral.trainer``, ``corral.adapters``,
    ``corral.run`` or ``corral.stack``.
 4. ``corral.trainer`` does not import ``corral.adapters``: both build on ``corral.rollouts``.
-5. Every ``corral`` module an import names exists (a move leaves no stale import behind,
+5. ``corral.envs`` imports none of ``corral.gateway``, ``corral.rollouts``, ``corral.trainer``,
+   ``corral.adapters`` nor the application layer: env servers and bundles sit below all of them.
+6. Only the application layer imports ``corral.cli``: ``corral.cli`` itself and the top-level
+   ``corral.run``, ``corral.stack`` and ``corral.doctor``. A command's argument parsing and its
+   ``UsageError``/``RunError`` live in ``corral.cli``; the packages below raise their own errors.
+7. Every ``corral`` module an import names exists (a move leaves no stale import behind,
    including lazy ones that no other test runs).
 
 The gateway's client sends the server's own ``SessionOptions`` (``corral.gateway.options``,
-light on purpose); the last test checks that the client stays light: none of the server's
-session module or the chat-template renderer.
+light on purpose); a test checks that the client stays light: none of the server's session
+module or the chat-template renderer. Likewise ``corral.envs.episode``, what bundle authors
+implement, loads neither the env server (FastAPI, the sandboxes) nor the client (websockets).
 """
 
 from __future__ import annotations
@@ -56,7 +62,20 @@ FORBIDDEN: dict[str, frozenset[str]] = {
         {"corral.trainer", "corral.adapters", "corral.run", "corral.stack"}
     ),
     "corral.trainer": frozenset({"corral.adapters"}),
+    "corral.envs": frozenset(
+        {
+            "corral.gateway",
+            "corral.rollouts",
+            "corral.trainer",
+            "corral.adapters",
+            "corral.cli",
+            "corral.run",
+            "corral.stack",
+        }
+    ),
 }
+# Rule 6: the packages that may import corral.cli (the application layer).
+CLI_IMPORTERS = frozenset({"corral.cli", "corral.run", "corral.stack", "corral.doctor"})
 
 
 @dataclass(frozen=True)
@@ -173,14 +192,47 @@ def test_samples_imports_only_the_standard_library_and_pydantic(graph: list[Impo
     assert not wrong, wrong
 
 
-@pytest.mark.parametrize("package", sorted(FORBIDDEN))
-def test_no_package_imports_upward(graph: list[Import], package: str) -> None:
+def upward(graph: list[Import], package: str) -> list[str]:
+    """Rules 2-5: the imports of ``package`` that name a package it must not import."""
     forbidden = FORBIDDEN[package]
-    wrong = [
+    return [
         i.where()
         for i in graph
         if package_of(i.importer) == package and package_of(i.target) in forbidden
     ]
+
+
+def into_the_cli(graph: list[Import]) -> list[str]:
+    """Rule 6: the imports of ``corral.cli`` from below the application layer."""
+    return [
+        i.where()
+        for i in graph
+        if package_of(i.target) == "corral.cli" and package_of(i.importer) not in CLI_IMPORTERS
+    ]
+
+
+def test_the_rules_catch_their_violations() -> None:
+    """Each rule, on a graph that breaks it, names the import (not a vacuous check)."""
+    bad = [
+        Import("corral.envs.server", "corral.gateway.app", 1),
+        Import("corral.envs.hosting", "corral.rollouts.rows", 2),
+        Import("corral.rollouts.harness_play", "corral.cli.errors", 3),
+        Import("corral.adapters.agents", "corral.cli.checks", 4),
+        Import("corral.run", "corral.cli.errors", 5),
+        Import("corral.cli.play", "corral.adapters.agents", 6),
+    ]
+    assert upward(bad, "corral.envs") == [bad[0].where(), bad[1].where()]
+    assert into_the_cli(bad) == [bad[2].where(), bad[3].where()]
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_no_package_imports_upward(graph: list[Import], package: str) -> None:
+    wrong = upward(graph, package)
+    assert not wrong, wrong
+
+
+def test_only_the_application_layer_imports_the_cli(graph: list[Import]) -> None:
+    wrong = into_the_cli(graph)
     assert not wrong, wrong
 
 
@@ -210,3 +262,26 @@ def test_the_gateway_client_imports_nothing_of_the_gateway_server() -> None:
     loaded = set(done.stdout.strip().split(","))
     light = {"corral.gateway.client", "corral.gateway.options", "corral.gateway.settings"}
     assert loaded == light, loaded
+
+
+def test_the_episode_protocol_imports_no_server_client_or_sandbox() -> None:
+    """A bundle's env code imports ``corral.envs.episode``: that loads neither the env server
+    (FastAPI, Starlette, the sandboxes) nor the client (websockets); ``corral.envs`` names them
+    lazily."""
+    probe = (
+        "import sys, corral.envs.episode\n"
+        "heavy = ('fastapi', 'starlette', 'websockets')\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in heavy "
+        "or m == 'corral.sandboxes' or m.startswith('corral.sandboxes.'))\n"
+        "print(','.join(loaded))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert done.stdout.strip() == "", done.stdout

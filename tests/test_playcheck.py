@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from corral.envs.bundle import load_bundle
+from corral.envs.hosting import env_host
 from corral.envs.playcheck import (
     CHECK_BASELINES,
     CHECK_DETERMINISTIC,
@@ -37,7 +38,6 @@ from corral.envs.playcheck import (
     sample_tasks,
     tool_calls,
 )
-from corral.envs.server import env_host
 
 REPO = Path(__file__).resolve().parents[1]
 GRIDSIM = REPO / "bundles" / "gridsim"

@@ -32,8 +32,8 @@ import pytest
 
 from bundles.shellcraft.solver import solve as reference
 from corral.envs.bundle import Bundle, load_bundle
-from corral.envs.hosting import EnvHandle, SandboxHost
-from corral.envs.server import build_app, env_host
+from corral.envs.hosting import EnvHandle, SandboxHost, env_host
+from corral.envs.server import build_app
 from corral.sandboxes.base import SandboxProvider, SandboxSpec
 from corral.sandboxes.bwrap import BwrapProvider
 from corral.sandboxes.local import LocalProvider

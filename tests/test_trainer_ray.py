@@ -175,8 +175,8 @@ def test_corral_train_on_ray_places_trainer_env_server_and_workers(
     it), the bundle on an env-server actor, rollouts on two worker actors; one RL step."""
     from rich.console import Console
 
-    from corral.trainer.commands import train
     from corral.trainer.config import load_config
+    from corral.trainer.launch import train
 
     bundle = write_weather_bundle(tmp_path / "weather", modes=("ok", "wrong"))
     config = load_config(

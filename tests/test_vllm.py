@@ -173,6 +173,19 @@ def _tail(log: Path, lines: int = 40) -> str:
     return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
 
+def _lines_of_request(log: Path, marker: str) -> str:
+    """The log lines about the request whose parameters contain ``marker``: its id is taken
+    from the "Received request" line, then every line naming that id (a failure's evidence
+    without the neighbours' noise)."""
+    text = log.read_text(errors="replace")
+    ids = re.findall(
+        rf"Received request (generate-tokens-\S+): params: .*{re.escape(marker)}", text
+    )
+    if not ids:
+        return f"(no request with {marker!r} reached vLLM)\n{_tail(log)}"
+    return "\n".join(line for line in text.splitlines() if any(i in line for i in ids))
+
+
 def _stop(child: subprocess.Popen[bytes]) -> None:
     if child.poll() is not None:
         return
@@ -435,7 +448,11 @@ def test_disconnect_mid_stream_aborts_the_vllm_request(vllm: VLLM, tmp_path: Pat
         aborted = re.compile(r"Aborted request\(s\) generate-tokens-\S+")
         deadline = time.monotonic() + 30
         while not aborted.search(vllm.log.read_text(errors="replace")):
-            assert time.monotonic() < deadline, f"vLLM never aborted:\n{_tail(vllm.log)}"
+            assert time.monotonic() < deadline, (
+                f"vLLM never aborted.\nThis request in vLLM's log:\n"
+                f"{_lines_of_request(vllm.log, 'max_tokens=3000')}\n"
+                f"the gateway's log:\n{_tail(tmp_path / 'gateway.log')}"
+            )
             time.sleep(0.2)
         while vllm.metric("vllm:num_requests_running") > 0:
             assert time.monotonic() < deadline, "the request still runs in vLLM"

@@ -1,13 +1,13 @@
 """Black-box agents: play rows with any program that speaks the OpenAI API and MCP.
 
-``corral play ROWS --gateway URL --agent-cmd "..."`` (and :func:`play_with_agent` /
-:func:`play_rows_with_agent` underneath) replaces the player's turn loop with a process of the
-user's (docs/rollouts.md, "black-box agents over the gateway and MCP"): the agent talks to the model
-through its own gateway session and to the episode's tools through an MCP server
-(:mod:`.mcp_tools`); corral opens and closes everything around it, has the episode graded and
-the reward (or the failure) land on the session. This agent runs on the host (development
-only; ``corral play`` makes itself non-dumpable first, :func:`make_undumpable`); with
-``--harness`` the agent runs in the episode's own sandbox instead
+``corral play ROWS --gateway URL --agent-cmd "..."`` (:mod:`corral.cli.play`, over
+:func:`play_with_agent` / :func:`play_rows_with_agent`) replaces the player's turn loop with a
+process of the user's (docs/rollouts.md, "black-box agents over the gateway and MCP"): the
+agent talks to the model through its own gateway session and to the episode's tools through an
+MCP server (:mod:`.mcp_tools`); corral opens and closes everything around it, has the episode
+graded and the reward (or the failure) land on the session. This agent runs on the host
+(development only; ``corral play`` makes itself non-dumpable first, :func:`make_undumpable`);
+with ``--harness`` the agent runs in the episode's own sandbox instead
 (:mod:`corral.rollouts.harness_play`).
 
 What the agent is given, in its environment (the rest of the caller's environment is inherited,
@@ -45,7 +45,6 @@ server, closes the episode and deletes the session before the cancellation goes 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import contextlib
@@ -53,18 +52,16 @@ import json
 import os
 import shlex
 import signal
-import sys
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from corral.env_secrets import SecretMissing, env_secret
 from corral.envs.client import EnvClient, EnvClientError
 from corral.gateway.client import GatewayAdmin, GatewayAdminError, SessionCreated
-from corral.rollouts.evals import Stats, report_play
-from corral.rollouts.rows import Row, RowsError, read_rows
+from corral.rollouts.evals import Stats
+from corral.rollouts.rows import Row
 from corral.samples import Sample
 
 if TYPE_CHECKING:  # the MCP SDK is imported when a rollout runs, not with the CLI
@@ -474,7 +471,10 @@ def summarize(rollouts: Sequence[AgentRollout]) -> Stats:
     return Stats.of([None if r.failed else r.reward for r in rollouts])
 
 
-def _write_outputs(out: Path, rollouts: Sequence[AgentRollout], summary: Stats) -> None:
+def write_play_outputs(out: Path, rollouts: Sequence[AgentRollout]) -> Stats:
+    """``episodes.jsonl`` (one :meth:`AgentRollout.summary` a line), ``samples.jsonl`` and
+    ``summary.json`` (:func:`summarize`) under ``out``; the summary."""
+    summary = summarize(rollouts)
     out.mkdir(parents=True, exist_ok=True)
     with (out / "episodes.jsonl").open("w") as episodes:
         for rollout in rollouts:
@@ -484,22 +484,7 @@ def _write_outputs(out: Path, rollouts: Sequence[AgentRollout], summary: Stats) 
             for sample in rollout.samples:
                 samples.write(sample.model_dump_json() + "\n")
     (out / "summary.json").write_text(summary.model_dump_json(indent=2) + "\n")
-
-
-def cmd_play(args: argparse.Namespace) -> int:
-    """``corral play``: exit 0 when at least one episode was scored, 1 when none was (every
-    episode failed or none was selected) or the gateway cannot be used, 2 for a configuration
-    error. Errors are the one line ``corral`` prints for a
-    :class:`~corral.cli.errors.CliError`, also when this is called without ``corral.cli.main``
-    (the exit code is returned either way)."""
-    from corral.cli.errors import CliError, error_line
-
-    try:
-        return _play(args)
-    except CliError as exc:
-        line, code = error_line("play", exc)
-        print(line, file=sys.stderr)
-        return code
+    return summary
 
 
 def make_undumpable() -> bool:
@@ -517,110 +502,3 @@ def make_undumpable() -> bool:
         return int(libc.prctl(pr_set_dumpable, 0, 0, 0, 0)) == 0
     except (OSError, AttributeError):
         return False
-
-
-def _play(args: argparse.Namespace) -> int:
-    from corral.cli.checks import rows_file
-    from corral.cli.errors import RunError, UsageError
-    from corral.rollouts.harness_play import harness_options
-
-    try:
-        admin_token = env_secret(args.admin_token_var or None, "the gateway admin token")
-    except SecretMissing as exc:
-        raise UsageError(str(exc), f"Export {args.admin_token_var}.") from None
-    options = harness_options(args)
-    if options is None and not args.agent_cmd:
-        raise UsageError("give --agent-cmd (an agent on this host) or --harness")
-    try:
-        rows = read_rows(rows_file(args.rows), split=args.split, limit=args.limit)
-    except RowsError as exc:
-        raise UsageError(str(exc), "Pass a file written by `corral rows`.") from None
-    if not rows:
-        raise RunError(f"no rows selected from {args.rows}")
-    if options is not None:
-        from corral.rollouts.harness_play import play_rows_with_harness
-
-        return play_rows_with_harness(args, rows, admin_token, options)
-    make_undumpable()
-    return _play_on_host(args, rows, admin_token)
-
-
-def _play_on_host(args: argparse.Namespace, rows: list[Row], admin_token: str | None) -> int:
-    """Host mode: the agent command runs on this machine (development only: nothing but
-    its environment keeps it from this user's files)."""
-    from rich.progress import Progress
-
-    from corral.cli.checks import probe_gateway
-    from corral.cli.errors import UsageError
-
-    hidden = [args.admin_token_var] if args.admin_token_var else []
-
-    async def play_all(progress: Progress) -> list[AgentRollout]:
-        async with GatewayAdmin(args.gateway, admin_token) as gateway:
-            await probe_gateway(gateway, args.admin_token_var or None)
-            task = progress.add_task("playing", total=len(rows))
-            return await play_rows_with_agent(
-                rows,
-                gateway=gateway,
-                agent_cmd=args.agent_cmd,
-                concurrency=args.concurrency,
-                timeout_s=args.timeout,
-                hidden_vars=hidden,
-                on_done=lambda _: progress.advance(task),
-            )
-
-    try:
-        with Progress(transient=True) as progress:
-            rollouts = asyncio.run(play_all(progress))
-    except AgentConfigError as exc:
-        raise UsageError(str(exc)) from None
-    summary = summarize(rollouts)
-    out = Path(args.out)
-    _write_outputs(out, rollouts, summary)
-    failures = [(r.task_id, r.reason) for r in rollouts if r.failed]
-    return report_play(summary, failures, out)
-
-
-def add_play_command(sub: argparse._SubParsersAction) -> None:
-    """Add ``corral play`` to the CLI's subcommands."""
-    from corral.rollouts.harness_play import add_harness_arguments
-
-    play = sub.add_parser(
-        "play",
-        help="play rows with a black-box agent: in the episode's sandbox (--harness) or here",
-        description="For each row, opens a gateway session and an episode and lets an agent "
-        "play it. With --harness (claude-code, codex, command) the env server runs the agent "
-        "inside the episode's own sandbox, its traffic bridged to its gateway session, and "
-        "grades the workspace it leaves; the agent's transcripts go to OUT/transcripts/. "
-        "Without it, --agent-cmd runs on THIS host (development only): it gets "
-        "OPENAI_BASE_URL / OPENAI_API_KEY set to its session and CORRAL_MCP_URL / "
-        "CORRAL_MCP_TOKEN (the episode's tools over MCP) / CORRAL_TASK_PROMPT / "
-        "CORRAL_SYSTEM_PROMPT / CORRAL_TASK_ID. When it exits the episode is ended and graded "
-        "and the reward lands on the session; an agent that times out or exits non-zero, or "
-        "an env that fails, flags the episode failed (never a 0). Writes episodes.jsonl, "
-        "samples.jsonl and summary.json under --out and prints the mean reward over the "
-        "scored episodes with its standard error. Exits 1 when no episode was scored.",
-    )
-    play.add_argument("rows", help="a rows file (JSONL written by `corral rows`)")
-    play.add_argument("--gateway", required=True, help="the gateway URL")
-    play.add_argument(
-        "--agent-cmd",
-        help='the agent command, e.g. "python examples/agent.py": on this host, or with '
-        "--harness command in the sandbox",
-    )
-    add_harness_arguments(play, agent_cmd=False, timeout=False)
-    play.add_argument(
-        "--admin-token-var",
-        metavar="NAME",
-        help="environment variable holding the gateway's admin token (hidden from the agent)",
-    )
-    play.add_argument("--split", help="play only the rows of this split (default: all)")
-    play.add_argument("--limit", type=int, metavar="N", help="play the first N rows only")
-    play.add_argument("--concurrency", type=int, default=4, help="episodes at once")
-    play.add_argument(
-        "--timeout", type=float, default=600.0, help="seconds the agent may run per episode"
-    )
-    play.add_argument(
-        "--out", default=".corral/play", help="where episodes, samples and summary go"
-    )
-    play.set_defaults(func=cmd_play)

@@ -32,11 +32,12 @@ def _version() -> str:
 
 def build_parser() -> Parser:
     """The ``corral`` parser with every subcommand."""
-    from corral.adapters.agents import add_play_command
     from corral.cli.commands import add_core_commands
     from corral.cli.harness import add_harness_command
+    from corral.cli.play import add_play_command
+    from corral.cli.train import add_train_commands
+    from corral.cli.view import add_view_command
     from corral.doctor import add_doctor_command
-    from corral.trainer.commands import add_train_commands
 
     parser = Parser(
         prog="corral",
@@ -52,6 +53,7 @@ def build_parser() -> Parser:
     add_play_command(sub)
     add_harness_command(sub)
     add_train_commands(sub)
+    add_view_command(sub)
     add_doctor_command(sub)
     return parser
 

@@ -18,7 +18,12 @@ from corral.cli.checks import bundle_folder, gateway_error, model_folder, probe_
 from corral.cli.errors import RunError, UsageError, first_of
 from corral.envs.playcheck import DEFAULT_MARGIN, DEFAULT_SEED, DEFAULT_TASKS
 from corral.envs.server import DEFAULT_AGENT_MAX_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
-from corral.envs.server import DEFAULT_FIRST_RESET_TIMEOUT as FIRST_RESET_TIMEOUT_S
+from corral.envs.settings import (
+    FIRST_RESET_TIMEOUT_S,
+    IDLE_TIMEOUT_S,
+    RESET_TIMEOUT_S,
+    TOOL_TIMEOUT_S,
+)
 from corral.gateway.parsers.reasoning import reasoning_parser_names
 from corral.gateway.parsers.tool_calls import tool_call_parser_names
 from corral.gateway.settings import (
@@ -155,7 +160,8 @@ def _agent_clis(flag: str | None) -> Path | None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     bundle = bundle_folder(args.bundle)
-    from corral.envs.server import build_app, run_server
+    from corral.envs.running import run_server
+    from corral.envs.server import build_app
 
     token = token_from_env(
         args.token_var,
@@ -271,8 +277,8 @@ def _play_bundle(args: argparse.Namespace) -> int:
 
     from corral.console import make_console, print_table
     from corral.envs.bundle import load_bundle
+    from corral.envs.hosting import env_host
     from corral.envs.playcheck import PlaySettings, planned_episodes, play_check_hosted
-    from corral.envs.server import env_host
     from corral.sandboxes.providers import make_provider
 
     try:
@@ -392,9 +398,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from rich.progress import Progress
 
+    from corral.cli.harness import harness_options
     from corral.console import make_console, print_table
     from corral.rollouts.evals import report_table, write_eval
-    from corral.rollouts.harness_play import harness_options
 
     harness = harness_options(args)
     rows = read_rows(Path(args.rows), args.split or None, args.limit)
@@ -598,13 +604,19 @@ def _add_serve(sub: Any) -> None:
         "--max-concurrent-envs", type=int, default=64, help="episodes live at once (the rest wait)"
     )
     serve.add_argument(
-        "--reset-timeout", type=float, default=600.0, help="seconds an episode may take to start"
+        "--reset-timeout",
+        type=float,
+        default=RESET_TIMEOUT_S,
+        help="seconds an episode may take to start",
     )
     serve.add_argument(
-        "--idle-timeout", type=float, default=600.0, help="seconds idle before an episode is reaped"
+        "--idle-timeout",
+        type=float,
+        default=IDLE_TIMEOUT_S,
+        help="seconds idle before an episode is reaped",
     )
     serve.add_argument(
-        "--tool-timeout", type=float, default=60.0, help="seconds a tool call may take"
+        "--tool-timeout", type=float, default=TOOL_TIMEOUT_S, help="seconds a tool call may take"
     )
     serve.add_argument(
         "--sandbox",

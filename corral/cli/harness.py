@@ -1,4 +1,7 @@
-"""``corral harness``: the black-box agent harnesses (``list``) and their CLIs (``install``)."""
+"""``corral harness``: the black-box agent harnesses (``list``) and their CLIs (``install``);
+and :func:`harness_options`, which reads back the ``--harness`` flags of ``corral play`` and
+``corral eval`` (:func:`~corral.rollouts.harness_play.add_harness_arguments`).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from corral.cli.errors import RunError
+from corral.cli.errors import RunError, UsageError
+from corral.rollouts.harness_play import HarnessOptions, make_harness, origin
 
 
 def add_harness_command(sub: Any) -> None:
@@ -77,3 +81,30 @@ def cmd_harness_install(args: argparse.Namespace) -> int:
     print(f"claude={clis.claude}")
     print(f"codex={clis.codex}")
     return 0
+
+
+def harness_options(args: argparse.Namespace) -> HarnessOptions | None:
+    """The :class:`~corral.rollouts.harness_play.HarnessOptions` of parsed
+    :func:`~corral.rollouts.harness_play.add_harness_arguments` flags, ``None`` without
+    ``--harness``. Raises :class:`~corral.cli.errors.UsageError` for flags that do not go
+    together or a harness that refuses its options."""
+    name = getattr(args, "harness", None)
+    agent_cmd = getattr(args, "agent_cmd", None)
+    agent_dir = getattr(args, "agent_dir", None)
+    if name is None:
+        if agent_dir is not None or getattr(args, "sandbox_gateway", None) is not None:
+            raise UsageError("--agent-dir and --sandbox-gateway go with --harness")
+        return None
+    if name == "command" and not agent_cmd:
+        raise UsageError("--harness command needs --agent-cmd", 'e.g. --agent-cmd "python a.py"')
+    if name != "command" and (agent_cmd or agent_dir):
+        raise UsageError(f"--agent-cmd and --agent-dir go with --harness command, not {name}")
+    timeout_s = float(getattr(args, "timeout", 600.0))
+    if timeout_s <= 0:
+        raise UsageError("--timeout must be positive")
+    try:
+        harness = make_harness(name, agent_cmd=agent_cmd, agent_dir=agent_dir)
+        sandbox_gateway = args.sandbox_gateway and origin(args.sandbox_gateway)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return HarnessOptions(harness, timeout_s, args.model, sandbox_gateway or None)

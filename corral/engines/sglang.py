@@ -58,6 +58,7 @@ from corral.engines.protocol import (
     UpdateWeightsResponse,
 )
 from corral.engines.stream import StreamDelta
+from corral.validation import validation_message
 
 __all__ = ["EngineStatusError", "SGLangClient"]
 
@@ -820,10 +821,7 @@ def _validate(raw: object, model: type[_M], where: str, *, what: str, api: str =
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}"
-            for e in exc.errors()[:5]
-        )
+        problems = validation_message(exc, root="<root>", limit=5)
         raise EngineProtocolError(
             f"{where}: {what} is not {api}'s {model.__name__}: {problems}"
         ) from None

@@ -50,6 +50,7 @@ from corral.envs.protocol import (
     StateMessage,
     StepResult,
 )
+from corral.envs.settings import RESET_TIMEOUT_S, TOOL_TIMEOUT_S
 
 
 class EnvClientError(Exception):
@@ -108,8 +109,8 @@ class EnvClient:
         url: str,
         token: str | None = None,
         *,
-        timeout: float = 60.0,
-        reset_timeout: float = 660.0,
+        timeout: float = TOOL_TIMEOUT_S,
+        reset_timeout: float = RESET_TIMEOUT_S + TOOL_TIMEOUT_S,
         open_timeout: float = 10.0,
     ) -> None:
         self.url = ws_url(url)

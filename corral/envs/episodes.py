@@ -2,7 +2,7 @@
 
 :class:`Episode` is one env's life (reset, tool calls, turns, grading); :class:`EpisodeManager`
 holds every live episode of a server (capacity, idle reaping, shutdown). Both are plain classes
-that tests drive directly; :mod:`corral.envs.session` turns socket messages into their calls.
+that tests drive directly; :mod:`corral.envs.websocket` turns socket messages into their calls.
 """
 
 from __future__ import annotations

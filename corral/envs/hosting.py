@@ -1,7 +1,8 @@
 """Where a bundle's env code runs: in the server's process, or in a sandbox per episode.
 
 An :class:`EnvHost` starts one :class:`EnvHandle` per episode; the server talks to every env
-through that handle, the same way wherever the env runs.
+through that handle, the same way wherever the env runs. :func:`env_host` picks the host a
+bundle is served with.
 
 - :class:`InProcessHost`: the env object lives in the server process and its methods run in
   worker threads. No isolation; a call past its deadline is abandoned but its thread runs on.
@@ -71,6 +72,7 @@ from corral.envs.protocol import AgentLaunch, AgentRun
 from corral.sandboxes.base import (
     RUNNER_ROOT,
     Bind,
+    NetworkPolicy,
     Sandbox,
     SandboxError,
     SandboxProcess,
@@ -78,6 +80,7 @@ from corral.sandboxes.base import (
     SandboxSpec,
 )
 from corral.sandboxes.pool import WarmPool
+from corral.sandboxes.providers import make_provider
 
 log = logging.getLogger(__name__)
 
@@ -550,6 +553,45 @@ class SandboxHost:
         if self._pool is not None:
             await self._pool.aclose()
         self._remove_tmp()
+
+
+def env_host(
+    bundle: Bundle,
+    sandbox: str | SandboxProvider | None,
+    *,
+    image: str | None = None,
+    warm: int = 0,
+    agent_clis: Path | None = None,
+    agent_policy: AgentPolicy | None = None,
+) -> EnvHost:
+    """Where ``bundle``'s envs run: ``sandbox=None`` in this process (:class:`InProcessHost`;
+    ``ValueError`` for a bundle whose ``[sandbox] needs`` is not ``"none"``), else a
+    :class:`SandboxHost` on that provider (or backend name, made with ``image`` or the bundle's
+    own) with the bundle's ``[sandbox]`` limits, ``warm`` sandboxes started ahead and the agent
+    options (in-process envs run no agents, so these are unused there)."""
+    needs = bundle.manifest.sandbox
+    if sandbox is None:
+        if needs.needs != "none":
+            raise ValueError(
+                f"bundle {bundle.name!r} needs a sandbox ([sandbox] needs = {needs.needs!r}): "
+                "serve it with --sandbox bwrap or docker (kubernetes and e2b where configured; "
+                "local for development only, with no isolation)"
+            )
+        return InProcessHost(bundle)
+    if isinstance(sandbox, str):
+        sandbox = make_provider(sandbox, f"serve-{bundle.name}", image=image or needs.image)
+    spec = SandboxSpec(
+        workdir="/work",
+        memory_mb=needs.memory_mb,
+        cpus=needs.cpus,
+        pids=needs.pids,
+        disk_mb=needs.disk_mb,
+        network=NetworkPolicy(mode=needs.network),
+        labels={"corral.bundle": bundle.name},
+    )
+    return SandboxHost(
+        bundle, sandbox, spec, warm=warm, agent_clis=agent_clis, agent_policy=agent_policy
+    )
 
 
 async def _close_quietly(sandbox: Sandbox) -> None:

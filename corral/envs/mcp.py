@@ -8,9 +8,10 @@ included), -32601 no such method, -32602 bad params (a missing ``name``, an unkn
 an unknown tool, bad arguments, a task that does not exist), -32603 the env failed, -32000 the
 server cannot (full, the env did not start, the episode is over).
 
-Where sessions live is the caller's :class:`McpScope`: HTTP ``POST /mcp`` names them by
-``session_id`` (:class:`~corral.envs.http_episodes.HttpEpisodes`); a socket (``/mcp``, or
-``/ws``'s ``mcp`` frames) has one of its own.
+Where sessions live is the caller's :class:`McpScope`: HTTP ``POST /mcp``
+(:func:`mcp_http_routes`) names them by ``session_id``
+(:class:`~corral.envs.http_episodes.HttpEpisodes`); a socket (``/mcp``, or ``/ws``'s ``mcp``
+frames, :mod:`corral.envs.websocket`) has one of its own.
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ import json
 from enum import IntEnum
 from typing import Any, Protocol
 
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from corral.envs.episodes import Episode, EpisodeManager, ServerError, bundle_tools
+from corral.envs.http_bodies import read_body
 from corral.envs.http_episodes import HttpEpisodes
 from corral.envs.protocol import (
     MAX_FRAME_DEPTH,
@@ -230,3 +234,24 @@ class McpHandler:
         raise RpcError(
             RpcCode.INTERNAL_ERROR, error.message, {"error_type": error.error_type, "done": True}
         )
+
+
+def mcp_http_routes(rpc: McpHandler, episodes: HttpEpisodes, *, max_body_bytes: int) -> APIRouter:
+    """``POST /mcp``: one JSON-RPC request per body (at most ``max_body_bytes``; a larger one
+    is answered -32600 with status 413), its sessions in ``episodes``; a notification is
+    accepted with 202 and no body. Every answer is JSON-RPC, never the HTTP error shape."""
+    router = APIRouter()
+
+    @router.post("/mcp", response_model=None)
+    async def mcp_post(request: Request) -> Response | dict[str, Any]:
+        try:
+            text = await read_body(request, max_body_bytes)
+        except ServerError as exc:
+            body = rpc_error(RpcCode.INVALID_REQUEST, str(exc))
+            return Response(json.dumps(body), status_code=413, media_type="application/json")
+        reply = await rpc.handle_text(text, HttpScope(episodes))
+        if reply is None:  # a notification: accepted, and JSON-RPC answers nothing
+            return Response(status_code=202)
+        return reply
+
+    return router

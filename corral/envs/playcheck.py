@@ -69,11 +69,12 @@ from typing import Any, TypeVar
 from corral.envs.bundle import Bundle, EntryPoint, LimitsSpec, RewardSpec, ToolSpec
 from corral.envs.episode import Task, ToolOutcome
 from corral.envs.hosting import EnvFailure, EnvHost
+from corral.envs.settings import TOOL_TIMEOUT_S
 
 DEFAULT_TASKS = 8
 DEFAULT_MARGIN = 0.1
 DEFAULT_SEED = 0
-DEFAULT_CALL_TIMEOUT_S = 60.0
+DEFAULT_CALL_TIMEOUT_S = TOOL_TIMEOUT_S
 # Shorter texts (a "0", a "true", an "ok") occur in any observation: searching for them would
 # only find noise.
 MIN_NEEDLE_CHARS = 4

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from corral.gateway.settings import HistoryMode
+from corral.validation import validation_message
 
 __all__ = ["SamplingOverrides", "SessionOptions"]
 
@@ -78,8 +79,5 @@ class SessionOptions(BaseModel):
         try:
             overrides = SamplingOverrides.model_validate(value)
         except ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
-            )
-            raise ValueError(f"invalid sampling override(s): {problems}") from None
+            raise ValueError(f"invalid sampling override(s): {validation_message(exc)}") from None
         return overrides.model_dump(exclude_none=True)

@@ -27,8 +27,8 @@ Failure is explicit, never a reward of 0 (first rule that applies):
 
 Everything the agent did is kept on the rollout (:class:`HarnessRollout`): its
 :class:`~corral.envs.protocol.AgentRun` (exit, tails, transcript) and the rollout's marks in
-time (:class:`HarnessMarks`). :func:`add_harness_arguments` and :func:`harness_options` are the
-command-line side (``corral play``, ``corral eval``).
+time (:class:`HarnessMarks`). :func:`add_harness_arguments` adds the command-line flags that make
+a :class:`HarnessOptions` (``corral play``, ``corral eval``; read back by the CLI).
 """
 
 from __future__ import annotations
@@ -446,7 +446,7 @@ def add_harness_arguments(
 ) -> None:
     """``--harness``, ``--agent-dir``, ``--model``, ``--sandbox-gateway`` (and, unless the
     command has its own, ``--agent-cmd`` and ``--timeout``): a :class:`HarnessPlayer` plays
-    when ``--harness`` is given (read them back with :func:`harness_options`)."""
+    when ``--harness`` is given (the CLI reads them back into :class:`HarnessOptions`)."""
     parser.add_argument(
         "--harness",
         choices=sorted(HARNESSES),
@@ -476,34 +476,6 @@ def add_harness_arguments(
         parser.add_argument(
             "--timeout", type=float, default=600.0, help="seconds the agent may run per episode"
         )
-
-
-def harness_options(args: argparse.Namespace) -> HarnessOptions | None:
-    """The :class:`HarnessOptions` of parsed :func:`add_harness_arguments` flags, ``None``
-    without ``--harness``. Raises :class:`~corral.cli.errors.UsageError` for flags that do
-    not go together or a harness that refuses its options."""
-    from corral.cli.errors import UsageError
-
-    name = getattr(args, "harness", None)
-    agent_cmd = getattr(args, "agent_cmd", None)
-    agent_dir = getattr(args, "agent_dir", None)
-    if name is None:
-        if agent_dir is not None or getattr(args, "sandbox_gateway", None) is not None:
-            raise UsageError("--agent-dir and --sandbox-gateway go with --harness")
-        return None
-    if name == "command" and not agent_cmd:
-        raise UsageError("--harness command needs --agent-cmd", 'e.g. --agent-cmd "python a.py"')
-    if name != "command" and (agent_cmd or agent_dir):
-        raise UsageError(f"--agent-cmd and --agent-dir go with --harness command, not {name}")
-    timeout_s = float(getattr(args, "timeout", 600.0))
-    if timeout_s <= 0:
-        raise UsageError("--timeout must be positive")
-    try:
-        harness = make_harness(name, agent_cmd=agent_cmd, agent_dir=agent_dir)
-        sandbox_gateway = args.sandbox_gateway and origin(args.sandbox_gateway)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    return HarnessOptions(harness, timeout_s, args.model, sandbox_gateway or None)
 
 
 def make_harness(
@@ -592,42 +564,3 @@ def write_play_outputs(out: Path, rollouts: Sequence[HarnessRollout]) -> Stats:
             write_transcript(out / "transcripts", number, rollout.transcript)
     (out / "summary.json").write_text(summary.model_dump_json(indent=2) + "\n")
     return summary
-
-
-def play_rows_with_harness(
-    args: argparse.Namespace, rows: list[Row], admin_token: str | None, options: HarnessOptions
-) -> int:
-    """``corral play --harness``: play ``rows`` through a :class:`HarnessPlayer`, write the
-    outputs under ``--out``, print the mean; the exit code as ``corral play``'s. Raises
-    :class:`~corral.cli.errors.CliError` for a gateway or row that cannot be used."""
-    from rich.progress import Progress
-
-    from corral.cli.checks import probe_gateway
-    from corral.cli.errors import RunError, UsageError, first_of
-    from corral.rollouts.evals import report_play
-
-    async def play_all(progress: Progress) -> list[HarnessRollout]:
-        async with GatewayAdmin(args.gateway, admin_token) as gateway:
-            await probe_gateway(gateway, args.admin_token_var or None)
-            task = progress.add_task(f"playing ({options.harness.name})", total=len(rows))
-            async with HarnessPlayer.of(gateway, options) as player:
-                return await play_rows(
-                    player,
-                    rows,
-                    concurrency=args.concurrency,
-                    on_done=lambda _: progress.advance(task),
-                )
-
-    try:
-        with Progress(transient=True) as progress:
-            rollouts = asyncio.run(play_all(progress))
-    except (ValueError, ExceptionGroup) as exc:
-        if (refused := first_of(exc, PlayerError)) is not None:
-            raise RunError(str(refused)) from None
-        if isinstance(exc, ValueError):
-            raise UsageError(str(exc)) from None
-        raise
-    out = Path(args.out)
-    summary = write_play_outputs(out, rollouts)
-    failures = [(r.row.metadata.task_id, r.reason) for r in rollouts if r.failed]
-    return report_play(summary, failures, out)

@@ -19,6 +19,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict
 
 from corral.envs.client import EnvClient, EnvClientError
+from corral.envs.settings import RESET_TIMEOUT_S, TOOL_TIMEOUT_S
 
 
 class RowsError(Exception):
@@ -30,8 +31,8 @@ class RowSettings:
     """Rollout settings written into every row (seconds for timeouts)."""
 
     max_turns: int = 4
-    tool_timeout: float = 60.0
-    reset_timeout: float = 600.0
+    tool_timeout: float = TOOL_TIMEOUT_S
+    reset_timeout: float = RESET_TIMEOUT_S
     model_timeout: float = 600.0
     token_var: str | None = None
 

@@ -18,7 +18,9 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from corral.envs.settings import TOOL_TIMEOUT_S
 from corral.trainer.losses import KL_ESTIMATORS, LossConfig
+from corral.validation import validation_message
 
 
 class _Section(BaseModel):
@@ -54,7 +56,7 @@ class EnvSettings(_Section):
     train_split: str = "train"
     eval_split: str = "eval"
     max_turns: int = Field(default=4, ge=1)
-    tool_timeout: float = Field(default=60.0, gt=0)
+    tool_timeout: float = Field(default=TOOL_TIMEOUT_S, gt=0)
     model_timeout: float = Field(default=600.0, gt=0)
     processes: bool = False
 
@@ -338,10 +340,7 @@ def _load(kind: type[C], path: Path | None, overrides: list[str] | None) -> C:
     try:
         return kind.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg']}"
-            for err in exc.errors()
-        )
+        problems = validation_message(exc, root="config")
         raise ConfigError(f"invalid training config: {problems}") from None
 
 

@@ -46,6 +46,7 @@ from transformers import PreTrainedTokenizerBase
 
 from corral.gateway.openai_types import ChatMessage, ToolDef
 from corral.gateway.rendering import ChatRenderer, template_messages, template_tools
+from corral.validation import validation_message
 
 __all__ = [
     "ChatExample",
@@ -150,7 +151,7 @@ def _conversation(example: ChatExample) -> _Conversation:
             try:
                 tools.append(ToolDef.model_validate(tool))
             except ValidationError as exc:
-                raise ValueError(f"tool {k}: {_pydantic_problems(exc)}") from None
+                raise ValueError(f"tool {k}: {validation_message(exc)}") from None
     tool_names = {t.function.name for t in tools or ()}
     if not isinstance(raw_messages, list) or not raw_messages:
         raise ValueError("'messages' must be a non-empty list of messages")
@@ -199,7 +200,7 @@ def _message(index: int, raw: Any) -> tuple[ChatMessage, int]:
     try:
         message = ChatMessage.model_validate(fields)
     except ValidationError as exc:
-        raise ValueError(f"{where} ({raw['role']!r}): {_pydantic_problems(exc)}") from None
+        raise ValueError(f"{where} ({raw['role']!r}): {validation_message(exc)}") from None
     return message, int(weight)
 
 
@@ -234,14 +235,6 @@ def _tool_call(index: int, k: int, raw: Any) -> Any:
             f"{_shorten(arguments if isinstance(arguments, str) else str(arguments))}"
         )
     return {**raw, "function": function}
-
-
-def _pydantic_problems(exc: ValidationError) -> str:
-    problems = []
-    for error in exc.errors():
-        place = ".".join(str(p) for p in error["loc"])
-        problems.append(f"{place}: {error['msg']}" if place else str(error["msg"]))
-    return "; ".join(problems)
 
 
 def _json_type(value: Any) -> str:

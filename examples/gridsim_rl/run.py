@@ -296,7 +296,7 @@ class Pipeline:
 
     def stage_rl(self) -> None:
         """corral's RL loop from the SFT model (resumes from its checkpoint)."""
-        from corral.trainer.commands import run_training
+        from corral.trainer.launch import run_training
 
         self._need("sft")
         config = self.settings.train_config(run_dir=self.rl_dir, model=self.sft_model)

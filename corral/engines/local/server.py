@@ -47,6 +47,7 @@ from corral.engines.protocol import (
     UpdateWeightsFromDiskRequest,
     parse_generate_input,
 )
+from corral.validation import validation_message
 
 __all__ = ["build_engine_app", "run_engine"]
 
@@ -77,10 +78,7 @@ async def _json(request: Request) -> Any:
 
 
 def _invalid(model: type[BaseModel], exc: ValidationError) -> _BadRequest:
-    details = "; ".join(
-        f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()
-    )
-    return _BadRequest(f"invalid {model.__name__}: {details}")
+    return _BadRequest(f"invalid {model.__name__}: {validation_message(exc, root='body')}")
 
 
 async def _parse(request: Request, model: type[M]) -> M:

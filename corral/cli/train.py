@@ -4,15 +4,14 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import math
-import os
 import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from corral.trainer.launch import torchrun_follower, train
 
 
 def _add_set_option(parser: argparse.ArgumentParser, metavar: str, example: str) -> None:
@@ -174,75 +173,6 @@ def _report(console: Any, run_dir: Path) -> None:
         console.print(f"metrics in {metrics} (no plot: matplotlib is not installed)")
 
 
-def train(config: Any, console: Any) -> list[dict[str, Any]]:
-    """Run ``config`` here (every rank under torchrun), or as a Ray task on ``[ray] address``,
-    and return the leader's metrics lines."""
-    from corral.trainer.loop import Trainer
-    from corral.trainer.services import model_path
-
-    if config.ray.address is not None:
-        from corral.trainer.ray_cluster import connect, run_on_ray
-
-        connect(config.ray.address)
-        gpus = 1 if config.model.device == "cuda" else 0
-        lines: list[dict[str, Any]] = run_on_ray(run_training, config, None, num_gpus=gpus)
-        return lines
-    if _torchrun_follower():
-        follower = Trainer(config, None, model_path=model_path(config))
-        return asyncio.run(follower.run())
-    return run_training(config, console)
-
-
-def run_training(config: Any, console: Any | None) -> list[dict[str, Any]]:
-    """The leader: start the run's services, train with a progress display (one bar for the
-    steps, one for the episodes of the current fill or evaluation, a line per step)."""
-    from rich.progress import Progress
-
-    from corral.console import make_console
-    from corral.trainer.loop import Trainer
-    from corral.trainer.services import run_services
-
-    console = console or make_console()
-    with Progress(console=console, transient=False) as progress:
-        steps = progress.add_task("steps", total=config.schedule.steps)
-        work = progress.add_task("rollouts", total=None)
-
-        def on_progress(kind: str, done: int, total: int) -> None:
-            progress.update(work, description=kind, completed=done, total=total)
-
-        def on_line(line: dict[str, Any]) -> None:
-            progress.update(steps, completed=line["step"])
-            console.print(_summary(line))
-
-        with run_services(config) as services:
-            trainer = Trainer(config, services, progress=on_progress, on_line=on_line)
-            return asyncio.run(trainer.run())
-
-
-def _summary(line: dict[str, Any]) -> str:
-    def num(key: str, fmt: str = ".3f") -> str:
-        value = line.get(key)
-        return (
-            "-"
-            if value is None or (isinstance(value, float) and math.isnan(value))
-            else (format(value, fmt))
-        )
-
-    if line.get("kind") == "eval":
-        return (
-            f"step {line['step']:>4} eval  reward {num('eval/reward/mean')} ± "
-            f"{num('eval/reward/se')}  graded 0: {num('eval/zero_share', '.0%')}  "
-            f"failed {line['eval/failed']}"
-        )
-    dropped = sum(v for k, v in line.items() if k.startswith("dropped/"))
-    return (
-        f"step {line['step']:>4} train reward {num('reward/mean')}  kl {num('kl', '.4f')}  "
-        f"entropy {num('entropy')}  clip {num('clip_fraction')}  dropped {dropped}  "
-        f"gen {num('time/generation', '.1f')}s train {num('time/training', '.1f')}s "
-        f"sync {num('time/weight_sync', '.2f')}s"
-    )
-
-
 def _overrides(args: argparse.Namespace, flags: Sequence[tuple[str, str]]) -> list[str]:
     """The ``--set`` overrides, then one per path or address flag given: ``(attribute, key)``
     pairs, the value written as a TOML string."""
@@ -252,11 +182,6 @@ def _overrides(args: argparse.Namespace, flags: Sequence[tuple[str, str]]) -> li
         if value:
             overrides.append(f"{key}={_toml_string(value)}")
     return overrides
-
-
-def _torchrun_follower() -> bool:
-    """Whether this process is a torchrun rank besides the leader (rank 0)."""
-    return int(os.environ.get("RANK", "0")) != 0
 
 
 def _toml_string(value: str) -> str:
@@ -277,7 +202,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
     config = _config("load_sft_config", args.config, overrides)
     _check_device(config.model.device)
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex)")
-    if _torchrun_follower():  # no display: the leader shows the run
+    if torchrun_follower():  # no display: the leader shows the run
         try:
             run_sft(config)
         except (OSError, ValueError) as exc:

@@ -1,16 +1,19 @@
-"""One WebSocket's conversation with the env server (:class:`Session`): frames in, replies out.
+"""One WebSocket's life on the env server: ``/ws`` and the ``/mcp`` socket
+(:func:`socket_routes`).
 
-Parses each frame (:mod:`corral.envs.protocol`), dispatches it to the socket's episode
+:class:`SocketConversation` turns frames into replies: it parses each frame
+(:mod:`corral.envs.protocol`), dispatches it to the socket's episode
 (:mod:`corral.envs.episodes`) or to the JSON-RPC handler (:mod:`corral.envs.mcp`) and encodes
 the reply; it never touches the socket itself. No bad frame ends the socket or its episode:
-each gets an ``error`` reply with one of OpenEnv's codes.
+each gets an ``error`` reply with one of OpenEnv's codes. :func:`serve_socket` is the socket's
+loop around it: frames in, replies out, and the deadlines that close a socket playing nothing.
 
 An ``agent`` frame (a black-box agent on the socket's episode) runs for as long as the agent's
-budget: :meth:`Session.handle` checks it, starts it as :attr:`Session.agent` and answers
-nothing; the socket's loop awaits that task beside its next frame and sends its reply (an
-``agent`` frame, or the ``error``) when it is done. Meanwhile the socket is served: ``state``
-is answered, ``close`` stops the agent and closes the episode, every other frame is refused
-(EXECUTION_ERROR ``agent_running``).
+budget: :meth:`SocketConversation.handle` checks it, starts it as
+:attr:`SocketConversation.agent` and answers nothing; the socket's loop awaits that task beside
+its next frame and sends its reply (an ``agent`` frame, or the ``error``) when it is done.
+Meanwhile the socket is served: ``state`` is answered, ``close`` stops the agent and closes the
+episode, every other frame is refused (EXECUTION_ERROR ``agent_running``).
 """
 
 from __future__ import annotations
@@ -19,11 +22,22 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
+from fastapi import APIRouter, WebSocket, WebSocketDisconnect
+from fastapi.websockets import WebSocketState
 from pydantic import ValidationError
 
-from corral.envs.episodes import Episode, EpisodeManager, ServerError, bundle_tools
+from corral.envs.episodes import (
+    GOING_AWAY,
+    SHUTDOWN_REASON,
+    Episode,
+    EpisodeManager,
+    ServerError,
+    bundle_tools,
+)
 from corral.envs.mcp import McpHandler, RpcCode, RpcError
 from corral.envs.protocol import (
     CLIENT_MESSAGE,
@@ -58,11 +72,17 @@ log = logging.getLogger(__name__)
 
 # corral's step shapes before they were OpenEnv's: refused with a pointer to the new one.
 _OLD_STEP_KEYS = frozenset({"call_tool", "list_tools"})
+# WebSocket close code for a refused token or a socket that plays nothing (RFC 6455: policy
+# violation).
+POLICY_VIOLATION = 1008
+# The reaper closes an episode idle *more than* idle_timeout: a socket's look at its
+# episode waits this much longer, so the look finds it reapable.
+_REAP_SLACK_S = 0.01
 
 
-class Session:
+class SocketConversation:
     """One socket's conversation: at most one episode at a time; turns frames into replies.
-    Closing the session (or the socket) closes its episode. Its JSON-RPC requests (``mcp``
+    Closing the conversation (or the socket) closes its episode. Its JSON-RPC requests (``mcp``
     frames on ``/ws``, every frame on ``/mcp``) play the socket's episode
     (:class:`SocketScope`)."""
 
@@ -287,17 +307,175 @@ class SocketScope:
     ``/mcp`` socket) a ``tools/call`` with no episode yet starts one on the default task, as
     OpenEnv's socket has its env from the start."""
 
-    def __init__(self, session: Session, *, start_on_call: bool = False) -> None:
-        self.session = session
+    def __init__(self, conversation: SocketConversation, *, start_on_call: bool = False) -> None:
+        self.conversation = conversation
         self.start_on_call = start_on_call
 
     async def create(self, data: ResetData) -> str:
-        return await self.session.create(data)
+        return await self.conversation.create(data)
 
     async def find(self, session_id: str | None, *, calling: bool = False) -> Episode | None:
-        if calling and self.start_on_call and self.session.episode is None and session_id is None:
-            await self.session.create(ResetData())
-        return self.session.find(session_id)
+        conversation = self.conversation
+        if calling and self.start_on_call and conversation.episode is None and session_id is None:
+            await conversation.create(ResetData())
+        return conversation.find(session_id)
 
     async def close(self, session_id: str | None) -> None:
-        await self.session.close_session(session_id)
+        await self.conversation.close_session(session_id)
+
+
+async def serve_socket(
+    websocket: WebSocket,
+    conversation: SocketConversation,
+    *,
+    mcp: bool,
+    first_reset_timeout: float,
+    idle_timeout: float,
+) -> None:
+    """One accepted socket's life: ``/ws`` frames, or JSON-RPC ones on ``/mcp`` (``mcp``).
+    The socket is closed (1008, with a reason) when no reset starts an episode within
+    ``first_reset_timeout`` s of opening (``/ws`` only), or once it has been ``idle_timeout``
+    s without an episode since its opening (``/mcp``) or its last episode's end. Deadlines are
+    fixed points in time, not waits per frame, so frames that start no episode do not keep the
+    socket; a live episode's own idle deadline wakes the loop too, so a reap during the wait is
+    seen. The conversation (and so its episode) is closed when the loop ends."""
+    manager = conversation.manager
+    if manager.closing:
+        await websocket.close(GOING_AWAY, SHUTDOWN_REASON)
+        return
+
+    async def hang_up_socket(code: int, reason: str) -> None:
+        # Checked and sent with no await between: never a send after the close.
+        if websocket.application_state == WebSocketState.CONNECTED:
+            await websocket.close(code, reason)
+
+    key = id(websocket)
+    manager.add_socket(key, hang_up_socket)
+    # time.monotonic: the clock of the episodes' last_active.
+    first_reset_by = time.monotonic() + first_reset_timeout
+    episodeless_since = time.monotonic()
+    ended: Episode | None = None  # the last episode whose end this loop has seen
+    ever_reset = False
+    ended_by_reaper = False
+    # One receive at a time, kept across deadline wake-ups: a receive is never cancelled
+    # halfway through a message.
+    receiving: asyncio.Future[Any] | None = None
+    try:
+        while True:
+            episode = conversation.episode
+            live = episode is not None and manager.is_open(episode)
+            if episode is not None and not live and episode is not ended:
+                # (Even one that began and ended within a single frame.)
+                ended = episode
+                episodeless_since = time.monotonic()
+                ended_by_reaper = episode.closed_as == "reaped"
+            ever_reset = ever_reset or episode is not None
+            if live:
+                assert episode is not None
+                # Past this the reaper may close the episode: look again then.
+                deadline = episode.last_active + idle_timeout + _REAP_SLACK_S
+                if deadline <= time.monotonic():
+                    # Looked already and it was not reapable (a step in flight): the
+                    # reaper has it; look again only after another idle_timeout.
+                    deadline = time.monotonic() + idle_timeout
+            elif ever_reset or mcp:
+                deadline = episodeless_since + idle_timeout
+            else:
+                deadline = first_reset_by
+            if receiving is None:
+                receiving = asyncio.ensure_future(websocket.receive())
+            # A running agent frame is awaited beside the next frame: its reply may come
+            # first, and the socket is served meanwhile (module docstring).
+            agent = conversation.agent
+            waits: set[asyncio.Future[Any]] = {receiving} if agent is None else {receiving, agent}
+            done, _ = await asyncio.wait(
+                waits, timeout=deadline - time.monotonic(), return_when=asyncio.FIRST_COMPLETED
+            )
+            if agent is not None and agent in done:
+                if websocket.application_state != WebSocketState.CONNECTED:
+                    break
+                await websocket.send_text(conversation.agent_reply())
+                if receiving not in done:
+                    continue
+            if not done:
+                if live:
+                    await manager.reap_idle()  # the reaper's own test, without its lag
+                    continue
+                if not (ever_reset or mcp):
+                    why = f"no reset within {first_reset_timeout:g} s of connecting"
+                elif ended_by_reaper:
+                    why = (
+                        f"its episode was closed after {idle_timeout:g} s idle and no "
+                        f"episode followed within {idle_timeout:g} s (idle_timeout)"
+                    )
+                else:
+                    why = f"no episode for {idle_timeout:g} s (idle_timeout)"
+                await hang_up_socket(POLICY_VIOLATION, why)
+                break
+            frame = receiving.result()
+            receiving = None
+            if frame["type"] == "websocket.disconnect":
+                break
+            text = frame.get("text")
+            if text is None:
+                text = (frame.get("bytes") or b"").decode("utf-8", "replace")
+            if mcp:
+                reply: str | None = await conversation.handle_mcp(text)
+                hang_up = False
+            else:
+                reply, hang_up = await conversation.handle(text)
+            if websocket.application_state != WebSocketState.CONNECTED:
+                break  # hung up by shutdown while the message was handled
+            if reply is not None:
+                await websocket.send_text(reply)
+            if hang_up:
+                await websocket.close()
+                break
+    except WebSocketDisconnect:
+        pass
+    finally:
+        if receiving is not None:
+            receiving.cancel()
+        manager.remove_socket(key)
+        await conversation.close()
+
+
+def socket_routes(
+    manager: EpisodeManager,
+    *,
+    authorized: Callable[[WebSocket], bool],
+    first_reset_timeout: float,
+    idle_timeout: float,
+) -> APIRouter:
+    """The WebSockets ``/ws`` (OpenEnv's frames) and ``/mcp`` (JSON-RPC frames), each one
+    :class:`SocketConversation` on ``manager`` served by :func:`serve_socket`. A socket that
+    ``authorized`` refuses is accepted and closed at once (1008, with a reason), before any
+    env is created; while the server shuts down, one is closed with 1001."""
+    router = APIRouter()
+
+    async def serve(websocket: WebSocket, *, mcp: bool) -> None:
+        conversation = SocketConversation(manager)
+        if not authorized(websocket):
+            # Accept, then close with a reason: a close before accept reaches the client as a
+            # bare HTTP 403 with no explanation.
+            await websocket.accept()
+            await websocket.close(POLICY_VIOLATION, "missing or wrong bearer token")
+            return
+        await websocket.accept()
+        await serve_socket(
+            websocket,
+            conversation,
+            mcp=mcp,
+            first_reset_timeout=first_reset_timeout,
+            idle_timeout=idle_timeout,
+        )
+
+    @router.websocket("/ws")
+    async def ws(websocket: WebSocket) -> None:
+        await serve(websocket, mcp=False)
+
+    @router.websocket("/mcp")
+    async def mcp_ws(websocket: WebSocket) -> None:
+        await serve(websocket, mcp=True)
+
+    return router
