@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from corral.trainer.loop import Services
+    from corral.trainer.services import Services
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,7 +49,8 @@ def small_model(out: Path) -> Path:
 async def fills(svc: Services, groups: int, per_row: int, n: int) -> list[float]:
     from corral.gateway.client import GatewayAdmin
     from corral.rollouts.player import Player
-    from corral.trainer.rollouts import GroupDraw, RowSampler
+    from corral.trainer.rollouts import GroupDraw
+    from corral.trainer.sampling import RowSampler
 
     sampling = {"temperature": 1.0, "max_tokens": 48}
     times = []

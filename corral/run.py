@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
 from rich.console import Console
@@ -54,9 +54,9 @@ if TYPE_CHECKING:
     from corral.rollouts.evals import EvalReport
     from corral.rollouts.rows import Row
 
-DEFAULT_BUNDLE = Path(__file__).resolve().parents[1] / "bundles" / "gridsim"
-# The policy examples/gridsim_rl trained (a 7M-parameter Qwen3, bf16): it plays gridsim on CPU.
-TRAINED_GRIDSIM_POLICY = Path(__file__).resolve().parents[1] / "examples" / "gridsim_rl" / "model"
+# run_main_job's ``policy`` default: the policy examples/gridsim_rl trained (a 7M-parameter
+# Qwen3, bf16, kept in the repository: corral.bundled), which plays gridsim on CPU.
+TRAINED: Literal["trained"] = "trained"
 # The tiny model is an artifact, built once and cached: its seed is not the run's (a new run
 # seed would otherwise mean a new 80-second build, and the model's contract is checked on it).
 TINY_MODEL_SEED = 0
@@ -511,22 +511,31 @@ def run_main_job(
     workdir: Path,
     episodes: int = 4,
     seed: int = 0,
-    bundle: Path = DEFAULT_BUNDLE,
+    bundle: Path | None = None,
     sandbox: str = "local",
-    policy: Path | None = TRAINED_GRIDSIM_POLICY,
+    policy: Path | Literal["trained"] | None = TRAINED,
     policy_days: int = 24,
     console: Console | None = None,
 ) -> int:
-    """The main job (module docstring). ``policy``: a model that plays the bundle, played on
-    ``policy_days`` eval rows after the other stages (skipped when it is None or
-    ``policy_days`` is 0). PolicyMissing, before anything starts, when ``policy`` is no model
-    folder. ``console`` defaults to :func:`make_console`'s."""
-    from corral.envs.server import build_app
-    from corral.serving import serve_in_thread
+    """The main job (module docstring). ``bundle``: the env bundle's folder (None: the
+    checkout's gridsim, :func:`corral.bundled.gridsim_bundle`, whose BundledMissing says how
+    to get it). ``policy``: a model that plays the bundle (``"trained"``: the checkout's
+    trained gridsim policy), played on ``policy_days`` eval rows after the other stages
+    (skipped when it is None or ``policy_days`` is 0). PolicyMissing, before anything starts,
+    when ``policy`` is no model folder. ``console`` defaults to :func:`make_console`'s."""
+    from corral.bundled import BundledMissing, gridsim_bundle, trained_gridsim_policy
+    from corral.envs.settings import ServeSettings
+    from corral.stack.env_server import env_server_in_thread
 
     plays_policy = policy is not None and policy_days > 0
-    if policy is not None and plays_policy and not (policy / "config.json").is_file():
+    if policy == TRAINED and plays_policy:
+        try:
+            policy = trained_gridsim_policy()
+        except BundledMissing as exc:
+            raise PolicyMissing(str(exc)) from None
+    if isinstance(policy, Path) and plays_policy and not (policy / "config.json").is_file():
         raise PolicyMissing(f"no model at {policy}")
+    bundle = bundle if bundle is not None else gridsim_bundle()
     console = console or make_console()
     stages = Stages(console, total=5 if plays_policy else 4)
     stages.start("the tiny model")
@@ -541,7 +550,8 @@ def run_main_job(
 
         stages.start("the env server: rows and idle episodes over the WebSocket")
         with waiting(console, f"starting the env server for {bundle}"):
-            env_url = stack.enter_context(serve_in_thread(build_app(bundle, sandbox=sandbox)))
+            served = ServeSettings(bundle=bundle, sandbox=sandbox)
+            env_url = stack.enter_context(env_server_in_thread(served))
         console.print(f"env server {env_url} serving {bundle}, each episode in a {sandbox} sandbox")
         rows = env_stage(env_url, gridsim, episodes, seed, console)
 
@@ -549,7 +559,7 @@ def run_main_job(
         slime_stage(
             rows, gridsim, episodes, seed, console, engine_url=urls.engine, model_dir=model_dir
         )
-        if policy is not None and plays_policy:
+        if isinstance(policy, Path) and plays_policy:
             stages.start("the trained policy: eval days on the CPU")
             policy_stage(rows, gridsim, policy, policy_days, seed, console)
     return 0

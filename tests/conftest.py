@@ -1,5 +1,6 @@
 """Shared fixtures: the tiny chat models, built offline (cached across runs by source hash),
-and a docker daemon with the sandbox image.
+and a docker daemon with the sandbox image; and the test tiers (``unit``, ``e2e``: see
+``tests/tiers.py``), registered here.
 
 The daemon: ``DOCKER_HOST`` when set; otherwise a private one that this session starts with
 ``scripts/dockerd.sh`` in ``CORRAL_DOCKERD_DIR`` (default ``/tmp/corral-dockerd``, a stable folder
@@ -21,6 +22,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SANDBOX_IMAGE = "corral-sandbox:py3"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from tests import tiers
+
+    for name, meaning in tiers.MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {meaning}")
+    config.pluginmanager.register(tiers, "corral-tiers")
 
 
 @pytest.fixture(scope="session")

@@ -188,6 +188,16 @@ def weather_row(row: Row) -> Row:
     return changed
 
 
+async def play_row(
+    row: Row, gateway: GatewayAdmin, agent_cmd: str | list[str], **options: Any
+) -> AgentRollout:
+    """``play_with_agent`` as these tests play: the agent inherits ``ENVIRON``, its model
+    answers are kept short (``SAMPLING``) and it has ``AGENT_TIMEOUT_S``, unless ``options``
+    say otherwise."""
+    settings: dict[str, Any] = {"timeout_s": AGENT_TIMEOUT_S, "env": ENVIRON, "sampling": SAMPLING}
+    return await play_with_agent(row, gateway=gateway, agent_cmd=agent_cmd, **settings | options)
+
+
 def assert_flagged(rollout: AgentRollout, pattern: str) -> None:
     """The rollout failed for ``pattern``, and every sample of its session carries it."""
     assert rollout.failed, rollout.summary()
@@ -335,13 +345,8 @@ async def test_example_agent_tool_calls_reach_the_env_through_mcp(
     """The one prompt the tiny model answers with tool calls: every call goes model -> agent ->
     MCP -> env, and the env's answer (an unknown tool) goes back into the conversation."""
     errors_before = env_server.steps("tool_error")
-    rollout = await play_with_agent(
-        weather_row(env_server.rows[2]),
-        gateway=gateway,
-        agent_cmd=[sys.executable, str(EXAMPLE_AGENT)],
-        timeout_s=AGENT_TIMEOUT_S,
-        env=ENVIRON,
-        sampling=SAMPLING,
+    rollout = await play_row(
+        weather_row(env_server.rows[2]), gateway, [sys.executable, str(EXAMPLE_AGENT)]
     )
     assert not rollout.failed, rollout.summary()
     assert rollout.tool_calls >= 1
@@ -367,14 +372,7 @@ async def test_scripted_submission_sets_the_reward_on_the_session(
         ]
     )
     row = env_server.rows[3]
-    rollout = await play_with_agent(
-        row,
-        gateway=gateway,
-        agent_cmd=argv,
-        timeout_s=AGENT_TIMEOUT_S,
-        env=ENVIRON,
-        sampling=SAMPLING,
-    )
+    rollout = await play_row(row, gateway, argv)
     assert not rollout.failed, rollout.summary()
     assert rollout.reward == pytest.approx(0.2) and rollout.status == "graded"
     assert rollout.tool_calls == 1 and rollout.turns == 1
@@ -393,14 +391,7 @@ async def test_agent_that_calls_no_tool_is_graded_not_failed(
     """Stopping without a tool call is bad play, not a failure: corral ends the episode with
     end_turn and gridsim grades a missing submission 0."""
     argv, _ = scripted([{"do": "model"}])
-    rollout = await play_with_agent(
-        env_server.rows[4],
-        gateway=gateway,
-        agent_cmd=argv,
-        timeout_s=AGENT_TIMEOUT_S,
-        env=ENVIRON,
-        sampling=SAMPLING,
-    )
+    rollout = await play_row(env_server.rows[4], gateway, argv)
     assert not rollout.failed, rollout.summary()
     assert rollout.tool_calls == 0
     assert rollout.reward == 0.0 and rollout.status == "graded"
@@ -412,13 +403,7 @@ async def test_agent_that_never_calls_its_model_is_failed(
     env_server: EnvServer, gateway: GatewayAdmin, scripted: Scripted
 ) -> None:
     argv, _ = scripted([{"do": "tool", "name": "submit_schedule", "arguments": {"schedule": IDLE}}])
-    rollout = await play_with_agent(
-        env_server.rows[5],
-        gateway=gateway,
-        agent_cmd=argv,
-        timeout_s=AGENT_TIMEOUT_S,
-        env=ENVIRON,
-    )
+    rollout = await play_row(env_server.rows[5], gateway, argv)
     assert_flagged(rollout, "no model turn")
     assert rollout.samples == []
     assert rollout.reward == pytest.approx(0.2)  # reported, but not set: nothing to train on
@@ -428,14 +413,7 @@ async def test_agent_exiting_nonzero_is_failed_with_its_stderr(
     env_server: EnvServer, gateway: GatewayAdmin, scripted: Scripted
 ) -> None:
     argv, _ = scripted([{"do": "model"}, {"do": "exit", "code": 3, "stderr": "boom-7f3a"}])
-    rollout = await play_with_agent(
-        env_server.rows[6],
-        gateway=gateway,
-        agent_cmd=argv,
-        timeout_s=AGENT_TIMEOUT_S,
-        env=ENVIRON,
-        sampling=SAMPLING,
-    )
+    rollout = await play_row(env_server.rows[6], gateway, argv)
     assert_flagged(rollout, r"exited with code 3(.|\n)*boom-7f3a")
     assert rollout.agent_exit_code == 3 and len(rollout.samples) == 1
     assert rollout.status == "running"  # never ended: a failed rollout is not graded
@@ -480,15 +458,7 @@ async def test_agent_past_its_timeout_is_killed_with_its_process_group(
             {"do": "hang"},
         ]
     )
-    rollout = await play_with_agent(
-        env_server.rows[7],
-        gateway=gateway,
-        agent_cmd=argv,
-        timeout_s=8.0,
-        kill_grace_s=0.5,
-        env=ENVIRON,
-        sampling=SAMPLING,
-    )
+    rollout = await play_row(env_server.rows[7], gateway, argv, timeout_s=8.0, kill_grace_s=0.5)
     assert_flagged(rollout, "did not exit within 8 s and was killed")
     assert rollout.agent_exit_code is None and len(rollout.samples) == 1
     assert_group_dead(json.loads(pids.read_text()))  # written before the agent hung
@@ -511,14 +481,7 @@ async def test_episode_ending_without_a_reward_is_failed(
                 {"do": "tool", "name": "submit_schedule", "arguments": {"schedule": IDLE}},
             ]
         )
-        rollout = await play_with_agent(
-            row,
-            gateway=gateway,
-            agent_cmd=argv,
-            timeout_s=AGENT_TIMEOUT_S,
-            env=ENVIRON,
-            sampling=SAMPLING,
-        )
+        rollout = await play_row(row, gateway, argv)
     assert_flagged(rollout, "ended without a reward: .*reward-crash-51c2")
     assert rollout.reward is None and rollout.status == "error" and len(rollout.samples) == 1
     assert read_log(log)[0]["meta"] == {"done": True, "status": "error"}
@@ -531,9 +494,7 @@ async def test_env_server_unreachable_fails_the_rollout_before_the_agent_starts(
     row.metadata.env.url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     marker = tmp_path / "started"
     argv, _ = scripted([{"do": "pids", "path": str(marker)}])
-    rollout = await play_with_agent(
-        row, gateway=gateway, agent_cmd=argv, timeout_s=AGENT_TIMEOUT_S, env=ENVIRON
-    )
+    rollout = await play_row(row, gateway, argv)
     assert_flagged(rollout, "the episode could not be opened")
     assert rollout.status == "not_started" and rollout.agent_exit_code is None
     assert not marker.exists()  # the agent was never started
@@ -557,16 +518,7 @@ async def test_cancelling_a_rollout_closes_everything(
                 {"do": "hang"},
             ]
         )
-        play = asyncio.create_task(
-            play_with_agent(
-                row,
-                gateway=gateway,
-                agent_cmd=argv,
-                timeout_s=AGENT_TIMEOUT_S,
-                env=ENVIRON,
-                sampling=SAMPLING,
-            )
-        )
+        play = asyncio.create_task(play_row(row, gateway, argv))
         await _until_fifo(ready, play)
         assert app.state.episodes.active == 1
         started = json.loads(pids.read_text())
@@ -614,16 +566,7 @@ async def test_env_server_killed_mid_episode_fails_the_rollout(
                 {"do": "tool", "name": "submit_schedule", "arguments": {"schedule": IDLE}},
             ]
         )
-        play = asyncio.create_task(
-            play_with_agent(
-                row,
-                gateway=gateway,
-                agent_cmd=argv,
-                timeout_s=AGENT_TIMEOUT_S,
-                env=ENVIRON,
-                sampling=SAMPLING,
-            )
-        )
+        play = asyncio.create_task(play_row(row, gateway, argv))
         await _until_fifo(ready, play)
         server.kill()
         await asyncio.to_thread(server.wait)
@@ -644,9 +587,15 @@ async def test_env_server_killed_mid_episode_fails_the_rollout(
 # corral play
 
 
-def test_play_command_parses_its_arguments() -> None:
+def play_parser() -> argparse.ArgumentParser:
+    """``corral``'s argument parser with only the ``play`` command."""
     parser = argparse.ArgumentParser(prog="corral")
     add_play_command(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+def test_play_command_parses_its_arguments() -> None:
+    parser = play_parser()
     args = parser.parse_args(["play", "rows.jsonl", "--gateway", "http://g", "--agent-cmd", "a b"])
     assert (args.rows, args.gateway, args.agent_cmd) == ("rows.jsonl", "http://g", "a b")
     assert (args.split, args.limit, args.concurrency, args.timeout) == (None, None, 4, 600.0)
@@ -676,8 +625,7 @@ def test_play_command_writes_episodes_and_prints_the_mean_reward(
     )
     monkeypatch.setenv(ADMIN_VAR, ADMIN_TOKEN)
     monkeypatch.setenv(ENV_VAR, ENV_TOKEN)
-    parser = argparse.ArgumentParser(prog="corral")
-    add_play_command(parser.add_subparsers(dest="command", required=True))
+    parser = play_parser()
     out = tmp_path / "out"
     args = parser.parse_args(
         [
@@ -701,8 +649,7 @@ def test_play_command_writes_episodes_and_prints_the_mean_reward(
 
 
 def test_play_command_refuses_an_unset_admin_token_variable(tmp_path: Path) -> None:
-    parser = argparse.ArgumentParser(prog="corral")
-    add_play_command(parser.add_subparsers(dest="command", required=True))
+    parser = play_parser()
     args = parser.parse_args(
         [
             *("play", str(tmp_path / "rows.jsonl"), "--gateway", "http://127.0.0.1:9"),
@@ -721,7 +668,7 @@ async def test_unset_env_token_variable_is_refused_before_anything_starts(
             env_server.rows[:1], gateway=gateway, agent_cmd="true", env=environ
         )
     with pytest.raises(AgentConfigError, match="empty"):
-        await play_with_agent(env_server.rows[0], gateway=gateway, agent_cmd=" ", env=ENVIRON)
+        await play_row(env_server.rows[0], gateway, " ")
 
 
 def test_summary_leaves_failed_episodes_out_of_the_mean() -> None:

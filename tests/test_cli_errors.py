@@ -116,10 +116,10 @@ def test_every_option_of_every_command_has_help_and_shows_its_default() -> None:
 
 
 def _patched(attribute: str, body: str) -> str:
-    """A -c program: `corral` with ``corral.cli.commands.<attribute>`` replaced by a function
+    """A -c program: `corral` with ``corral.cli.bundle.<attribute>`` replaced by a function
     whose body is ``body``."""
     return (
-        "import sys, corral.cli.commands as c\n"
+        "import sys, corral.cli.bundle as c\n"
         f"def boom(args):\n    {body}\n"
         f"c.{attribute} = boom\n"
         "from corral.cli import main\nsys.exit(main(sys.argv[1:]))"

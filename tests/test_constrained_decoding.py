@@ -32,16 +32,12 @@ from corral.engines.local import grammar as grammar_module
 from corral.engines.local.engine import InvalidRequestError, LocalEngine
 from corral.engines.local.grammar import Grammars
 from corral.engines.local.server import build_engine_app
-from corral.engines.protocol import (
-    FinishReason,
-    GenerateRequest,
-    GenerateResponse,
-    SamplingParams,
-)
+from corral.engines.protocol import FinishReason, GenerateResponse
 from corral.engines.tiny_model import TOOLS
 from corral.gateway import constraints
 from corral.gateway.constraints import EngineConstraint, UnsupportedConstraint
 from corral.gateway.parsers.tool_calls import ToolSpec, get_tool_call_parser
+from tests.factories import chat_ids, generate_request
 from tests.servers import serve
 
 SEEDS = range(8)
@@ -129,13 +125,6 @@ def server(tiny_model_dir: Path) -> Iterator[str]:
         yield url
 
 
-def chat_ids(tokenizer: Any, content: str) -> list[int]:
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
-    )
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
 async def sample(
     engine: LocalEngine,
     content: str,
@@ -146,11 +135,8 @@ async def sample(
     """One constrained sample per seed, all in one batch, at temperature 1."""
     ids = chat_ids(engine.tokenizer, content)
     reqs = [
-        GenerateRequest(
-            input_ids=ids,
-            sampling_params=SamplingParams(
-                max_new_tokens=max_new_tokens, temperature=1.0, sampling_seed=s, **constraint
-            ),
+        generate_request(
+            ids, max_new_tokens=max_new_tokens, temperature=1.0, sampling_seed=s, **constraint
         )
         for s in seeds
     ]
@@ -225,11 +211,8 @@ async def test_regex_outputs_match(babbler: LocalEngine) -> None:
 async def test_grammar_ends_the_request_despite_ignore_eos(babbler: LocalEngine) -> None:
     ids = chat_ids(babbler.tokenizer, "Yes or no?")
     r = await babbler.generate(
-        GenerateRequest(
-            input_ids=ids,
-            sampling_params=SamplingParams(
-                max_new_tokens=50, temperature=1.0, ignore_eos=True, regex="(yes|no)!"
-            ),
+        generate_request(
+            ids, max_new_tokens=50, temperature=1.0, ignore_eos=True, regex="(yes|no)!"
         )
     )
     assert r.text in ("yes!", "no!")
@@ -281,12 +264,13 @@ async def test_masks_apply_on_the_torch_path_too(
 async def test_streamed_constrained_output_is_valid(babbler: LocalEngine) -> None:
     ids = chat_ids(babbler.tokenizer, "Order.")
     stream = babbler.stream(
-        GenerateRequest(
-            input_ids=ids,
-            sampling_params=SamplingParams(
-                max_new_tokens=300, temperature=1.0, sampling_seed=3, json_schema=json.dumps(ORDER)
-            ),
+        generate_request(
+            ids,
             stream=True,
+            max_new_tokens=300,
+            temperature=1.0,
+            sampling_seed=3,
+            json_schema=json.dumps(ORDER),
         )
     )
     chunks = [c async for c in stream]
@@ -303,21 +287,19 @@ async def test_streamed_constrained_output_is_valid(babbler: LocalEngine) -> Non
 
 async def test_mixed_batch_leaves_unconstrained_rows_untouched(babbler: LocalEngine) -> None:
     ids = chat_ids(babbler.tokenizer, "Tell me something.")
-    plain = GenerateRequest(
-        input_ids=ids,
-        sampling_params=SamplingParams(
-            max_new_tokens=40, temperature=1.0, sampling_seed=5, ignore_eos=True
-        ),
+    plain = generate_request(
+        ids,
         top_logprobs_num=2,
+        max_new_tokens=40,
+        temperature=1.0,
+        sampling_seed=5,
+        ignore_eos=True,
     )
     alone = await babbler.generate(plain)
     before = babbler.steps
     constrained = [
-        GenerateRequest(
-            input_ids=ids,
-            sampling_params=SamplingParams(
-                max_new_tokens=40, temperature=1.0, sampling_seed=s, json_schema=json.dumps(ORDER)
-            ),
+        generate_request(
+            ids, max_new_tokens=40, temperature=1.0, sampling_seed=s, json_schema=json.dumps(ORDER)
         )
         for s in SEEDS
     ]
@@ -362,12 +344,13 @@ async def test_logprobs_are_of_the_masked_renormalised_distribution(
     schema = json.dumps(ORDER)
     ids = chat_ids(babbler.tokenizer, "Order.")
     r = await babbler.generate(
-        GenerateRequest(
-            input_ids=ids,
-            sampling_params=SamplingParams(
-                max_new_tokens=120, temperature=temperature, sampling_seed=11, json_schema=schema
-            ),
+        generate_request(
+            ids,
             top_logprobs_num=5,
+            max_new_tokens=120,
+            temperature=temperature,
+            sampling_seed=11,
+            json_schema=schema,
         )
     )
     out = r.output_ids
@@ -434,7 +417,7 @@ async def test_invalid_constraints_are_invalid_requests(babbler: LocalEngine) ->
         ("ebnf", "root ::= undefined", "'undefined' not found"),
         ("ebnf", "start: missing_rule", "missing_rule"),
     ]:
-        bad = GenerateRequest(input_ids=ids, sampling_params=SamplingParams(**{field: value}))
+        bad = generate_request(ids, **{field: value})
         with pytest.raises(InvalidRequestError, match=re.escape(words)):
             await babbler.generate(bad)
         with pytest.raises(InvalidRequestError):

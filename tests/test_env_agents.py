@@ -419,7 +419,7 @@ async def test_closing_the_socket_stops_the_agent_and_removes_its_sandbox(
 
 def test_serve_takes_the_agent_options(monkeypatch: pytest.MonkeyPatch) -> None:
     from corral.cli import build_parser
-    from corral.cli.commands import _agent_clis
+    from corral.cli.servers import _agent_clis
     from corral.envs.server import DEFAULT_AGENT_MAX_TIMEOUT_S
 
     parser = build_parser()

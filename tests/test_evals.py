@@ -88,3 +88,10 @@ def test_corral_eval_prints_the_mean_per_battery_size(gateway: str, tmp_path: Pa
     assert summary["overall"]["episodes"] == 4 and summary["groups"]
     assert sum(g["episodes"] for g in summary["groups"].values()) == 4
     assert "mean reward" in out.stdout and "battery.capacity_mwh" in out.stdout
+    # Every episode's spans, written as it ended, name the session its record names.
+    spans = [json.loads(line) for line in (tmp_path / "eval" / "traces.jsonl").open()]
+    sessions = {
+        json.loads(line)["session_id"] for line in (tmp_path / "eval" / "episodes.jsonl").open()
+    }
+    assert {s["session_id"] for s in spans if s["name"] == "episode"} == sessions
+    assert len(sessions) == 4

@@ -412,3 +412,36 @@ def test_history_and_fields_as_current_sdks_send_them_are_accepted(stack: Stack)
     }
     r = _post(s, {"messages": HELLO, "modalities": ["text", "audio"]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "modalities"
+
+
+async def test_the_admin_api_lists_sessions_page_by_page(stack: Stack) -> None:
+    """``GET /sessions`` through the gateway's own admin client: pages oldest first that
+    hold the sessions made here, never a key; without the admin token a 401, a bad limit a
+    400 naming it, a stale cursor a 404."""
+    from corral.gateway.client import GatewayAdmin, GatewayAdminError
+
+    made = [stack.session(metadata={"task_id": f"list-{i}"}) for i in range(3)]
+    ids = [m["id"] for m in made]
+    async with GatewayAdmin(stack.url, AUTH["Authorization"].removeprefix("Bearer ")) as admin:
+        seen, after = [], None
+        while True:
+            page = await admin.list_sessions(limit=2, after=after)
+            assert len(page.sessions) <= 2
+            seen.extend(s.id for s in page.sessions)
+            if page.next is None:
+                break
+            after = page.next
+        assert [i for i in seen if i in ids] == ids
+        listed = {s.id: s for s in (await admin.list_sessions(limit=1000)).sessions}
+        assert listed[ids[1]].metadata == {"task_id": "list-1"} and listed[ids[1]].turns == 0
+        await admin.close_session(ids[0])
+        with pytest.raises(GatewayAdminError) as stale:
+            await admin.list_sessions(after=ids[0])
+        assert stale.value.status == 404
+    async with httpx.AsyncClient(base_url=stack.url) as http:
+        raw = await http.get("/sessions", headers=AUTH)
+        assert all(m["api_key"] not in raw.text for m in made)
+        assert (await http.get("/sessions")).status_code == 401
+        for bad in ("0", "1001", "ten"):
+            r = await http.get(f"/sessions?limit={bad}", headers=AUTH)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "limit", r.text

@@ -423,6 +423,15 @@ def test_corral_play_and_eval_with_a_command_harness(
         transcript = [json.loads(x) for x in (out / "transcripts" / "0.jsonl").open()]
         assert transcript[0] == {"said": FINAL_TEXT}
         assert answer_files(task)[0] in transcript[1]["files"]
+        # The harness rollout's spans: the agent's run inside the episode, its first model
+        # request inside the run, all under the session the episode line names.
+        spans = {s["name"]: s for s in map(json.loads, (out / "traces.jsonl").open())}
+        assert {"episode", "session_open", "env_reset", "agent", "grading"} <= set(spans)
+        assert {s["session_id"] for s in spans.values()} == {episode["session_id"]}
+        agent, whole = spans["agent"], spans["episode"]
+        assert whole["start_s"] <= agent["start_s"] <= agent["end_s"] <= whole["end_s"]
+        assert spans["first_model_request"]["parent"] == "agent"
+        assert agent["attrs"]["exit_code"] == 0
 
         # corral eval's path: the same row, the harness given to eval_rows.
         gateway.engine.push(gateway.ids(FINAL_TEXT))

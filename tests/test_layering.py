@@ -25,7 +25,8 @@ package is its first level below ``corral`` (``corral.gateway.app`` -> ``corral.
 The gateway's client sends the server's own ``SessionOptions`` (``corral.gateway.options``,
 light on purpose); a test checks that the client stays light: none of the server's session
 module or the chat-template renderer. Likewise ``corral.envs.episode``, what bundle authors
-implement, loads neither the env server (FastAPI, the sandboxes) nor the client (websockets).
+implement, loads neither the env server (FastAPI, the sandboxes) nor the client (websockets);
+and ``corral sft`` reaches nothing of the RL loop.
 """
 
 from __future__ import annotations
@@ -241,15 +242,35 @@ def test_every_imported_corral_module_exists(graph: list[Import]) -> None:
     assert not missing, missing
 
 
-def test_the_gateway_client_imports_nothing_of_the_gateway_server() -> None:
-    """A rollout process imports the client; the renderer (transformers, jinja2) and the
-    server's modules stay out of it."""
-    probe = (
-        "import sys, corral.gateway.client\n"
-        "loaded = sorted(m for m in sys.modules if m.startswith('corral.gateway.') "
-        "or m.split('.')[0] in ('transformers', 'jinja2', 'starlette'))\n"
-        "print(','.join(loaded))\n"
-    )
+def reachable(graph: list[Import], start: str) -> set[str]:
+    """Every corral module that importing ``start`` can load, lazy imports included."""
+    edges: dict[str, set[str]] = {}
+    for i in graph:
+        if is_corral(i.target):
+            edges.setdefault(i.importer, set()).add(i.target)
+    reached, todo = set(), [start]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo.extend(edges.get(module, set()) - reached)
+    return reached
+
+
+def test_sft_reaches_none_of_the_rl_loop_or_its_services(graph: list[Import]) -> None:
+    """``corral sft`` shares the run skeleton with RL (``corral.trainer.training_run``), not
+    the RL loop, its services or its rollouts."""
+    reached = reachable(graph, "corral.trainer.sft_run")
+    assert "corral.trainer.training_run" in reached  # the walk follows the run's imports
+    rl = {"corral.trainer.loop", "corral.trainer.services", "corral.trainer.rollouts"}
+    assert not reached & rl, sorted(reached & rl)
+    assert rl <= reachable(graph, "corral.trainer.launch")  # where they are, the walk finds them
+
+
+def loaded_by(module: str, wanted: str) -> set[str]:
+    """The modules a fresh interpreter has loaded after ``import module``, of those for which
+    the expression ``wanted`` (over ``m``, a module name) holds."""
+    probe = f"import sys, {module}\nprint(','.join(sorted(m for m in sys.modules if {wanted})))\n"
     done = subprocess.run(
         [sys.executable, "-c", probe],
         cwd=ROOT,
@@ -259,7 +280,17 @@ def test_the_gateway_client_imports_nothing_of_the_gateway_server() -> None:
         timeout=60,
         check=True,
     )
-    loaded = set(done.stdout.strip().split(","))
+    return set(filter(None, done.stdout.strip().split(",")))
+
+
+def test_the_gateway_client_imports_nothing_of_the_gateway_server() -> None:
+    """A rollout process imports the client; the renderer (transformers, jinja2) and the
+    server's modules stay out of it."""
+    loaded = loaded_by(
+        "corral.gateway.client",
+        "m.startswith('corral.gateway.') "
+        "or m.split('.')[0] in ('transformers', 'jinja2', 'starlette')",
+    )
     light = {"corral.gateway.client", "corral.gateway.options", "corral.gateway.settings"}
     assert loaded == light, loaded
 
@@ -268,20 +299,9 @@ def test_the_episode_protocol_imports_no_server_client_or_sandbox() -> None:
     """A bundle's env code imports ``corral.envs.episode``: that loads neither the env server
     (FastAPI, Starlette, the sandboxes) nor the client (websockets); ``corral.envs`` names them
     lazily."""
-    probe = (
-        "import sys, corral.envs.episode\n"
-        "heavy = ('fastapi', 'starlette', 'websockets')\n"
-        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in heavy "
-        "or m == 'corral.sandboxes' or m.startswith('corral.sandboxes.'))\n"
-        "print(','.join(loaded))\n"
+    loaded = loaded_by(
+        "corral.envs.episode",
+        "m.split('.')[0] in ('fastapi', 'starlette', 'websockets') "
+        "or m == 'corral.sandboxes' or m.startswith('corral.sandboxes.')",
     )
-    done = subprocess.run(
-        [sys.executable, "-c", probe],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    assert done.stdout.strip() == "", done.stdout
+    assert loaded == set(), loaded

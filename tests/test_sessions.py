@@ -220,3 +220,32 @@ def test_stats_count_decisions() -> None:
     assert stats.decisions_by_reason == {"first_turn": 2, "extends": 1, "sibling_choice": 1}
     assert stats.held_tokens == a.held_tokens + b.held_tokens
     assert stats.created_total == 2
+
+
+def test_pages_list_every_open_session_oldest_first_and_never_a_key() -> None:
+    clock = FakeClock()
+    store = make_store(clock=clock)
+    made = [
+        store.create(SessionOptions(metadata={"task_id": f"t{i}"}, group_index=i)) for i in range(5)
+    ]
+    store.delete(made[1].id)
+    made[2].record(make_turn([msg("user", "q")], "A|"))
+    made[3].mark_failed("env: it died")
+    clock.now += 7.0
+    first = store.page(limit=2)
+    assert [s.id for s in first.sessions] == [made[0].id, made[2].id]
+    assert first.total == 4 and first.next == made[2].id
+    rest = store.page(limit=2, after=first.next)
+    assert [s.id for s in rest.sessions] == [made[3].id, made[4].id] and rest.next is None
+    two = first.sessions[1]
+    assert (two.turns, two.trajectories, two.metadata, two.group_index) == (
+        1,
+        1,
+        {"task_id": "t2"},
+        2,
+    )
+    assert two.age_s == 7.0 and rest.sessions[0].failure == "env: it died"
+    listed = store.page(limit=10).model_dump_json()
+    assert all(s.api_key not in listed for s in made)
+    with pytest.raises(SessionNotFound, match="to list after"):
+        store.page(limit=2, after=made[1].id)  # deleted between pages

@@ -403,14 +403,21 @@ async def test_miles_generate_returns_miles_samples_through_the_same_path(
 
 
 def _made(
-    rollout_id: int, *, group: int = 0, status: Any = Status.COMPLETED, **meta: Any
+    rollout_id: int,
+    *,
+    group: int = 0,
+    reward: float = 1.0,
+    status: Any = Status.COMPLETED,
+    **meta: Any,
 ) -> standin.Sample:
+    """slime's sample of rollout ``rollout_id`` (its ``index`` too) in ``group``, with
+    ``meta`` as its metadata."""
     return standin.Sample(
         group_index=group,
         index=rollout_id,
         rollout_id=rollout_id,
         status=status,
-        reward=1.0,
+        reward=reward,
         metadata=dict(meta),
     )
 
@@ -505,11 +512,12 @@ def test_a_sample_that_is_not_a_corral_row_is_refused_with_the_flag_to_fix(
 
 
 def test_group_rewards_are_normalised_per_rollout_not_per_sample(slime_modules: None) -> None:
-    def sample(group: int, rollout: int, reward: float) -> standin.Sample:
-        return standin.Sample(group_index=group, index=rollout, rollout_id=rollout, reward=reward)
-
     # Group 0: rollout 1 gave three samples (reward 1), rollout 2 one (reward 0).
-    samples = [sample(0, 1, 1.0)] * 3 + [sample(0, 2, 0.0), sample(1, 3, 0.5), sample(1, 4, 0.5)]
+    samples = [_made(1, group=0, reward=1.0)] * 3 + [
+        _made(2, group=0, reward=0.0),
+        _made(3, group=1, reward=0.5),
+        _made(4, group=1, reward=0.5),
+    ]
     grpo = Namespace(
         advantage_estimator="grpo",
         rewards_normalization=True,

@@ -3,13 +3,10 @@ reasons, and filling a step's batch with more draws (bounded, with a clear error
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from corral.rollouts.player import Rollout, RolloutTiming
-from corral.rollouts.rows import EnvRef, Row, RowMetadata
-from corral.samples import Sample, SampleStatus
+from corral.samples import Sample
 from corral.trainer.groups import (
     DROP_ABORTED,
     DROP_ALL_EQUAL,
@@ -21,42 +18,7 @@ from corral.trainer.groups import (
     filter_groups,
     group_samples,
 )
-
-
-def sample(
-    rollout_id: str,
-    group_index: int | None,
-    reward: float | None = 1.0,
-    *,
-    status: SampleStatus = "completed",
-    failure: str | None = None,
-    remove: bool = False,
-) -> Sample:
-    metadata: dict[str, Any] = {} if failure is None else {"failure": failure}
-    return Sample(
-        tokens=[1, 2, 3],
-        response_length=1,
-        loss_mask=[1],
-        rollout_log_probs=[-0.5],
-        reward=reward,
-        status=status,
-        metadata=metadata,
-        group_index=group_index,
-        rollout_id=rollout_id,
-        remove_sample=remove,
-    )
-
-
-def group(index: int, *rewards: float | None, flag: str | None = None) -> Group:
-    """A group with one single-sample rollout per reward; ``flag`` fails its first rollout."""
-    rollouts = []
-    for i, reward in enumerate(rewards):
-        failure = "env: it died" if flag == DROP_FAILED and i == 0 else None
-        rollouts.append(
-            TrainRollout.from_samples([sample(f"g{index}r{i}", index, reward, failure=failure)])
-        )
-    return Group(index, tuple(rollouts))
-
+from tests.factories import make_group, make_row, make_sample
 
 # --------------------------------------------------------------------------- grouping
 
@@ -65,14 +27,14 @@ def test_group_samples_by_keys_with_uneven_groups_and_split_rollouts() -> None:
     # 8 samples, interleaved: group 0 has 3 rollouts (a split into 2 samples), group 1 has 2
     # (e split into 3). Reshaping 8 samples into groups of 4 would mix the two groups.
     samples = [
-        sample("a", 0, 1.0),
-        sample("d", 1, 2.0),
-        sample("b", 0, 0.0),
-        sample("e", 1, 0.0),
-        sample("a", 0, 1.0),
-        sample("e", 1, 0.0),
-        sample("c", 0, 0.5),
-        sample("e", 1, 0.0),
+        make_sample("a", 0, 1.0),
+        make_sample("d", 1, 2.0),
+        make_sample("b", 0, 0.0),
+        make_sample("e", 1, 0.0),
+        make_sample("a", 0, 1.0),
+        make_sample("e", 1, 0.0),
+        make_sample("c", 0, 0.5),
+        make_sample("e", 1, 0.0),
     ]
     groups = group_samples(samples)
     assert [g.group_index for g in groups] == [0, 1]
@@ -89,16 +51,16 @@ def test_group_samples_by_keys_with_uneven_groups_and_split_rollouts() -> None:
 
 def test_grouping_rejects_inconsistent_data() -> None:
     with pytest.raises(ValueError, match="spans several groups"):
-        group_samples([sample("a", 0), sample("a", 1)])
+        group_samples([make_sample("a", 0), make_sample("a", 1)])
     with pytest.raises(ValueError, match="no group_index"):
-        group_samples([sample("a", None)])
+        group_samples([make_sample("a", None)])
     with pytest.raises(ValueError, match="different rewards"):
-        group_samples([sample("a", 0, 1.0), sample("a", 0, 0.0)])
+        group_samples([make_sample("a", 0, 1.0), make_sample("a", 0, 0.0)])
     with pytest.raises(ValueError, match="several rollouts"):
-        TrainRollout.from_samples([sample("a", 0), sample("b", 0)])
+        TrainRollout.from_samples([make_sample("a", 0), make_sample("b", 0)])
     with pytest.raises(ValueError, match="at least one sample"):
         TrainRollout.from_samples([])
-    rollout = TrainRollout.from_samples([sample("a", 0)])
+    rollout = TrainRollout.from_samples([make_sample("a", 0)])
     with pytest.raises(ValueError, match="twice"):
         Group(0, (rollout, rollout))
     with pytest.raises(ValueError, match="group_index 0, not 1"):
@@ -108,24 +70,24 @@ def test_grouping_rejects_inconsistent_data() -> None:
 @pytest.mark.parametrize(
     ("samples", "flag", "detail"),
     [
-        ([sample("a", 0, status="failed")], DROP_FAILED, "a sample has status failed"),
-        ([sample("a", 0, failure="env: gone")], DROP_FAILED, "env: gone"),
-        ([sample("a", 0, None)], DROP_FAILED, "no reward"),
-        ([sample("a", 0, status="aborted")], DROP_ABORTED, "a sample has status aborted"),
-        ([sample("a", 0, remove=True)], DROP_ABORTED, "remove_sample"),
+        ([make_sample("a", 0, status="failed")], DROP_FAILED, "a sample has status failed"),
+        ([make_sample("a", 0, failure="env: gone")], DROP_FAILED, "env: gone"),
+        ([make_sample("a", 0, None)], DROP_FAILED, "no reward"),
+        ([make_sample("a", 0, status="aborted")], DROP_ABORTED, "a sample has status aborted"),
+        ([make_sample("a", 0, remove=True)], DROP_ABORTED, "remove_sample"),
         # A failure anywhere in the rollout wins over an abort in another of its samples.
         (
-            [sample("a", 0, status="aborted"), sample("a", 0, failure="model: timeout")],
+            [make_sample("a", 0, status="aborted"), make_sample("a", 0, failure="model: timeout")],
             DROP_FAILED,
             "model: timeout",
         ),
         # The player's sample for a session that recorded no turn: aborted, removed, failure.
         (
-            [sample("a", 0, None, status="aborted", remove=True, failure="no turn")],
+            [make_sample("a", 0, None, status="aborted", remove=True, failure="no turn")],
             DROP_FAILED,
             "no turn",
         ),
-        ([sample("a", 0, status="truncated")], None, None),
+        ([make_sample("a", 0, status="truncated")], None, None),
     ],
 )
 def test_rollout_flags(samples: list[Sample], flag: str | None, detail: str | None) -> None:
@@ -133,22 +95,9 @@ def test_rollout_flags(samples: list[Sample], flag: str | None, detail: str | No
     assert (rollout.flag, rollout.detail) == (flag, detail)
 
 
-def _row() -> Row:
-    env = EnvRef(
-        url="http://env",
-        token_var=None,
-        max_turns=2,
-        tool_timeout=1.0,
-        reset_timeout=1.0,
-        model_timeout=1.0,
-    )
-    meta = RowMetadata(split="train", index=0, task_id="t", tools=[], env=env)
-    return Row(messages=[{"role": "user", "content": "hi"}], metadata=meta)
-
-
 def _played(samples: list[Sample], *, failed: bool, reason: str | None) -> Rollout:
     return Rollout(
-        row=_row(),
+        row=make_row(split="train"),
         session_id=samples[0].rollout_id,
         samples=samples,
         reward=None if failed else samples[0].reward,
@@ -162,9 +111,9 @@ def _played(samples: list[Sample], *, failed: bool, reason: str | None) -> Rollo
 
 
 def test_group_from_player_rollouts() -> None:
-    ok = _played([sample("a", 3, 1.0), sample("a", 3, 1.0)], failed=False, reason=None)
+    ok = _played([make_sample("a", 3, 1.0), make_sample("a", 3, 1.0)], failed=False, reason=None)
     # The player says failed even though the samples carry nothing: the player wins.
-    bad = _played([sample("b", 3, 0.0)], failed=True, reason="env: the episode did not start")
+    bad = _played([make_sample("b", 3, 0.0)], failed=True, reason="env: the episode did not start")
     g = Group.from_player([ok, bad])
     assert g.group_index == 3
     assert [r.flag for r in g.rollouts] == [None, DROP_FAILED]
@@ -177,19 +126,19 @@ def test_group_from_player_rollouts() -> None:
 
 def test_filter_groups_reasons_and_counts() -> None:
     groups = [
-        group(0, 1.0, 0.0),
-        group(1, 1.0, 0.0, flag=DROP_FAILED),
+        make_group(0, 1.0, 0.0),
+        make_group(1, 1.0, 0.0, fail_first=True),
         Group(
             2,
             (
-                TrainRollout.from_samples([sample("x", 2, 1.0)]),
-                TrainRollout.from_samples([sample("y", 2, 0.0, status="aborted")]),
+                TrainRollout.from_samples([make_sample("x", 2, 1.0)]),
+                TrainRollout.from_samples([make_sample("y", 2, 0.0, status="aborted")]),
             ),
         ),
-        group(3, 0.5, 0.5, 0.5),
+        make_group(3, 0.5, 0.5, 0.5),
         # Failed and all equal: the failure is the reason.
-        group(4, 1.0, 1.0, flag=DROP_FAILED),
-        group(5, 0.0, 1.0, 0.0),
+        make_group(4, 1.0, 1.0, fail_first=True),
+        make_group(5, 0.0, 1.0, 0.0),
     ]
     kept, dropped = filter_groups(groups)
     assert [g.group_index for g in kept] == [0, 3, 5]
@@ -208,7 +157,9 @@ def test_filter_groups_reasons_and_counts() -> None:
 
 
 def test_filter_all_equal_is_exact_and_counts_single_rollout_groups() -> None:
-    kept, dropped = filter_groups([group(0, 0.5, 0.5 + 1e-9), group(1, 0.7)], drop_all_equal=True)
+    kept, dropped = filter_groups(
+        [make_group(0, 0.5, 0.5 + 1e-9), make_group(1, 0.7)], drop_all_equal=True
+    )
     assert [g.group_index for g in kept] == [0]
     assert [(d.group.group_index, d.reason) for d in dropped] == [(1, DROP_ALL_EQUAL)]
 
@@ -231,8 +182,12 @@ class Draws:
 async def test_fill_batch_draws_until_full() -> None:
     draws = Draws(
         [
-            [group(0, 1.0, 0.0), group(1, 1.0, 0.0, flag=DROP_FAILED), group(2, 0.0, 1.0)],
-            [group(3, 1.0, 1.0), group(4, 0.0, 0.5), group(5, 0.2, 0.1)],
+            [
+                make_group(0, 1.0, 0.0),
+                make_group(1, 1.0, 0.0, fail_first=True),
+                make_group(2, 0.0, 1.0),
+            ],
+            [make_group(3, 1.0, 1.0), make_group(4, 0.0, 0.5), make_group(5, 0.2, 0.1)],
         ]
     )
     batch = await fill_batch(draws, 3, max_draws=5, drop_all_equal=True)
@@ -249,7 +204,7 @@ async def test_fill_batch_takes_a_plain_function() -> None:
 
     def draw(n: int) -> list[Group]:
         made.append(n)
-        return [group(len(made) * 10 + i, 1.0, 0.0) for i in range(n)]
+        return [make_group(len(made) * 10 + i, 1.0, 0.0) for i in range(n)]
 
     batch = await fill_batch(draw, 2, max_draws=1)
     assert made == [2]
@@ -263,7 +218,10 @@ async def test_fill_batch_is_bounded_and_says_why() -> None:
     async def draw(n: int) -> list[Group]:
         nonlocal calls
         calls += 1
-        return [group(calls * 10, 1.0, 0.0, flag=DROP_FAILED), group(calls * 10 + 1, 1.0, 1.0)]
+        return [
+            make_group(calls * 10, 1.0, 0.0, fail_first=True),
+            make_group(calls * 10 + 1, 1.0, 1.0),
+        ]
 
     with pytest.raises(BatchUnfillable) as info:
         await fill_batch(draw, 4, max_draws=3, drop_all_equal=True)
@@ -277,7 +235,7 @@ async def test_fill_batch_is_bounded_and_says_why() -> None:
 
 
 async def test_fill_batch_stops_when_the_data_runs_out() -> None:
-    draws = Draws([[group(0, 1.0, 0.0)], []])
+    draws = Draws([[make_group(0, 1.0, 0.0)], []])
     with pytest.raises(BatchUnfillable, match=r"the data ran out\): 2 draws drew 1 groups, kept 1"):
         await fill_batch(draws, 2, max_draws=10)
     assert draws.asked == [2, 1]

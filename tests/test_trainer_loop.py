@@ -50,7 +50,7 @@ def _config(run_dir: Path, **sections: dict[str, Any]) -> TrainConfig:
 
 
 def _services(stack: StackURLs, rows: list[Any], model: Path, *, disk: Path | None = None) -> Any:
-    from corral.trainer.loop import Services
+    from corral.trainer.services import Services
     from corral.trainer.weights import DiskWeightSync, InProcessWeightSync
 
     assert stack.local_engine is not None

@@ -34,6 +34,7 @@ from corral.trainer.losses import (
     kl_penalty,
     policy_loss,
 )
+from tests.factories import make_sample
 
 F64 = torch.float64
 NO_TIS = LossConfig(clip_low=0.2, clip_high=0.28, tis_cap=None)
@@ -41,28 +42,6 @@ NO_TIS = LossConfig(clip_low=0.2, clip_high=0.28, tis_cap=None)
 
 def t(*values: float) -> Tensor:
     return torch.tensor(values, dtype=F64)
-
-
-def sample(
-    rollout_id: str,
-    group_index: int,
-    reward: float,
-    *,
-    prompt: list[int] | None = None,
-    response: list[int] | None = None,
-    mask: list[int] | None = None,
-) -> Sample:
-    prompt = [1, 2] if prompt is None else prompt
-    response = [3, 4] if response is None else response
-    return Sample(
-        tokens=prompt + response,
-        response_length=len(response),
-        loss_mask=[1] * len(response) if mask is None else mask,
-        rollout_log_probs=[-0.1 * (i + 1) for i in range(len(response))],
-        reward=reward,
-        group_index=group_index,
-        rollout_id=rollout_id,
-    )
 
 
 def loss_and_grad(logprobs: list[float], **kwargs: object) -> tuple[float, list[float], dict]:
@@ -82,13 +61,13 @@ def uneven_groups() -> list[Group]:
     """Group 0: rollouts a (reward 1, 3 samples), b (0), c (0.5); group 1: d (2), e (0)."""
     return group_samples(
         [
-            sample("a", 0, 1.0),
-            sample("a", 0, 1.0),
-            sample("d", 1, 2.0),
-            sample("b", 0, 0.0),
-            sample("a", 0, 1.0),
-            sample("c", 0, 0.5),
-            sample("e", 1, 0.0),
+            make_sample("a", 0, 1.0),
+            make_sample("a", 0, 1.0),
+            make_sample("d", 1, 2.0),
+            make_sample("b", 0, 0.0),
+            make_sample("a", 0, 1.0),
+            make_sample("c", 0, 0.5),
+            make_sample("e", 1, 0.0),
         ]
     )
 
@@ -133,11 +112,11 @@ def test_a_rollouts_samples_share_its_advantage() -> None:
 
 
 def test_grpo_edge_cases() -> None:
-    lone = group_samples([sample("z", 7, 3.0)])
+    lone = group_samples([make_sample("z", 7, 3.0)])
     # One rollout: its advantage is 0 (std taken as 0), not nan.
     assert grpo_advantages(lone, normalize_std=True) == {"z": 0.0}
     flagged = Group(
-        0, (TrainRollout("f", 0, (sample("f", 0, 0.0),), None, "failed_rollout", "env"),)
+        0, (TrainRollout("f", 0, (make_sample("f", 0, 0.0),), None, "failed_rollout", "env"),)
     )
     with pytest.raises(ValueError, match="filter groups first"):
         grpo_advantages([flagged])
@@ -172,7 +151,7 @@ def test_gradient_step_raises_positive_and_lowers_negative_advantage_tokens() ->
     # A "model" whose logits are parameters: one SGD step on the loss must make the token of
     # the positive-advantage rollout more likely and that of the negative one less likely.
     torch.manual_seed(0)
-    samples = [sample("up", 0, 1.0, response=[3]), sample("down", 0, 0.0, response=[3])]
+    samples = [make_sample("up", 0, 1.0, response=[3]), make_sample("down", 0, 0.0, response=[3])]
     built = build_train_samples(group_samples(samples), {"up": 1.0, "down": -1.0})
     batch = TrainBatch.from_samples(built)
     logits = torch.randn(batch.num_tokens, 5, dtype=F64, requires_grad=True)
@@ -340,7 +319,7 @@ def test_masked_tokens_change_nothing() -> None:
 def test_masked_positions_get_no_gradient_through_the_logits() -> None:
     # Response [5, 6, 7] with mask [1, 0, 1]: logits row P - 1 + 1 (the one scoring token 6)
     # gets no gradient; the rows scoring tokens 5 and 7 do.
-    s = sample("a", 0, 1.0, prompt=[1, 2], response=[5, 6, 7], mask=[1, 0, 1])
+    s = make_sample("a", 0, 1.0, prompt=[1, 2], response=[5, 6, 7], loss_mask=[1, 0, 1])
     batch = TrainBatch.from_samples(build_train_samples(group_samples([s]), {"a": 1.0}))
     logits = torch.randn(5, 8, dtype=F64, requires_grad=True)
     batch_policy_loss(batch, batch_token_stats(logits, batch), NO_TIS).loss.backward()
@@ -468,10 +447,10 @@ def weighting_batch() -> list[TrainSample]:
     """Rollout A: 3 samples with 2, 1 and 1 trainable tokens (one masked token); rollout B: 1
     sample with 2 trainable tokens."""
     samples = [
-        sample("A", 0, 1.0, response=[3, 4]),
-        sample("A", 0, 1.0, response=[5, 6], mask=[0, 1]),
-        sample("A", 0, 1.0, response=[7]),
-        sample("B", 0, 0.0, response=[8, 9]),
+        make_sample("A", 0, 1.0, response=[3, 4]),
+        make_sample("A", 0, 1.0, response=[5, 6], loss_mask=[0, 1]),
+        make_sample("A", 0, 1.0, response=[7]),
+        make_sample("B", 0, 0.0, response=[8, 9]),
     ]
     return build_train_samples(group_samples(samples), {"A": 1.0, "B": -0.5})
 
@@ -498,7 +477,7 @@ def test_a_rollout_split_into_three_samples_does_not_weigh_three_times() -> None
 
 
 def test_rollout_count_scales_for_data_parallel_shares() -> None:
-    groups = group_samples([sample("A", 0, 1.0), sample("B", 0, 0.0)])
+    groups = group_samples([make_sample("A", 0, 1.0), make_sample("B", 0, 0.0)])
     built = build_train_samples(groups, {"A": 1.0, "B": -1.0}, rollout_count=4)
     assert [s.token_weight for s in built] == [1 / 8, 1 / 8]
     with pytest.raises(ValueError, match="below the 2 rollouts"):

@@ -15,7 +15,7 @@ pytest.importorskip(
     "megatron.core", reason="megatron-core is not installed: pip install megatron-core"
 )
 
-from corral.trainer import megatron_cpu  # noqa: E402
+from corral.trainer import megatron_runtime  # noqa: E402
 from corral.trainer.convert import (  # noqa: E402
     ConversionError,
     hf_to_megatron,
@@ -39,10 +39,10 @@ ATOL = 1e-4
 
 
 @pytest.fixture(scope="module", autouse=True)
-def cpu_runtime() -> Iterator[megatron_cpu.Runtime]:
-    runtime = megatron_cpu.setup("cpu")
+def cpu_runtime() -> Iterator[megatron_runtime.Runtime]:
+    runtime = megatron_runtime.setup("cpu")
     yield runtime
-    megatron_cpu.teardown()
+    megatron_runtime.teardown()
 
 
 def _randomize(model: Any, seed: int) -> Any:
@@ -376,15 +376,15 @@ def test_state_dicts_that_do_not_fit_the_spec_are_refused() -> None:
 
 
 def test_cpu_runtime_is_idempotent_scoped_to_megatron_and_undone_by_teardown(
-    cpu_runtime: megatron_cpu.Runtime,
+    cpu_runtime: megatron_runtime.Runtime,
 ) -> None:
     import megatron.core.models.common.embeddings.rotary_pos_embedding as rotary
     from megatron.core import parallel_state, tensor_parallel
 
     assert cpu_runtime.device == torch.device("cpu") and cpu_runtime.backend == "gloo"
-    assert megatron_cpu.setup("cpu") is cpu_runtime
+    assert megatron_runtime.setup("cpu") is cpu_runtime
     with pytest.raises(RuntimeError, match="already set up"):
-        megatron_cpu.setup("cpu", seed=1)
+        megatron_runtime.setup("cpu", seed=1)
 
     # Only megatron's modules see the redirected current_device; torch itself is untouched.
     assert rotary.torch.cuda.current_device() == torch.device("cpu")
@@ -403,26 +403,26 @@ def test_cpu_runtime_is_idempotent_scoped_to_megatron_and_undone_by_teardown(
     assert torch.equal(torch.rand(3), expected)
     assert not torch.equal(inside, expected)
 
-    megatron_cpu.teardown()
+    megatron_runtime.teardown()
     try:
-        assert megatron_cpu.current() is None
+        assert megatron_runtime.current() is None
         assert tensor_parallel.get_cuda_rng_tracker() is not tracker
         assert rotary.torch is torch
         assert not parallel_state.model_parallel_is_initialized()
         assert not torch.distributed.is_initialized()
         with pytest.raises(RuntimeError, match="setup"):
             build_model(ModelSpec.from_hf_config(CONFIGS["qwen2-mha-tied"]()))
-        megatron_cpu.teardown()  # a second teardown is a no-op
+        megatron_runtime.teardown()  # a second teardown is a no-op
         # A failed setup leaves nothing behind.
         with pytest.raises(ValueError, match="not divisible by tensor parallel 2"):
-            megatron_cpu.setup("cpu", tensor_parallel_size=2)
-        assert megatron_cpu.current() is None and not torch.distributed.is_initialized()
+            megatron_runtime.setup("cpu", tensor_parallel_size=2)
+        assert megatron_runtime.current() is None and not torch.distributed.is_initialized()
         assert rotary.torch is torch
         # The context manager form sets up for its body only.
-        with megatron_cpu.runtime("cpu", seed=3) as scoped:
-            assert megatron_cpu.current() is scoped and scoped.seed == 3
+        with megatron_runtime.runtime("cpu", seed=3) as scoped:
+            assert megatron_runtime.current() is scoped and scoped.seed == 3
             assert rotary.torch is not torch
-        assert megatron_cpu.current() is None and rotary.torch is torch
+        assert megatron_runtime.current() is None and rotary.torch is torch
     finally:
         # the module fixture's runtime, back as it was for the tests that follow
-        assert megatron_cpu.setup("cpu") == cpu_runtime
+        assert megatron_runtime.setup("cpu") == cpu_runtime

@@ -31,8 +31,7 @@ pytest.importorskip(
     "megatron.core", reason="megatron-core is not installed: pip install megatron-core"
 )
 
-from corral.samples import Sample  # noqa: E402
-from corral.trainer import megatron_cpu, parallel  # noqa: E402
+from corral.trainer import megatron_runtime, parallel  # noqa: E402
 from corral.trainer.convert import (  # noqa: E402
     hf_to_megatron,
     load_hf_checkpoint,
@@ -52,6 +51,7 @@ from corral.trainer.model import (  # noqa: E402
     forward_logits,
 )
 from corral.trainer.step import UpdateSettings, policy_update  # noqa: E402
+from tests.factories import make_sample  # noqa: E402
 from tests.servers import free_port  # noqa: E402
 from tests.worlds import TORCHRUN_VARS, join_as_torchrun, spawn_world  # noqa: E402
 
@@ -117,14 +117,14 @@ def _groups() -> list[Group]:
     def sample(rid: str, group: int, reward: float, prompt: int, response: int, **kw: Any) -> Any:
         tokens = torch.randint(0, VOCAB, (prompt + response,), generator=rng).tolist()
         logps = (-4.6 + 0.3 * torch.randn(response, generator=rng)).tolist()
-        return Sample(
-            tokens=tokens,
-            response_length=response,
-            loss_mask=kw.get("mask", [1] * response),
-            rollout_log_probs=logps,
-            reward=reward,
-            group_index=group,
-            rollout_id=rid,
+        return make_sample(
+            rid,
+            group,
+            reward,
+            prompt=tokens[:prompt],
+            response=tokens[prompt:],
+            loss_mask=kw.get("mask"),
+            log_probs=logps,
         )
 
     return group_samples(
@@ -157,7 +157,7 @@ def _worker(rank: int, folder: Path, port: int) -> None:
     out.mkdir()
     # Phase 1, tensor parallel 2: the world from the environment, as torchrun sets it.
     join_as_torchrun(rank, WORLD, port)
-    rt = megatron_cpu.setup("cpu", tensor_parallel_size=2)
+    rt = megatron_runtime.setup("cpu", tensor_parallel_size=2)
     assert (rt.world_size, rt.tensor_parallel_rank, rt.data_parallel_size) == (2, rank, 1)
     groups = parallel.broadcast_objects(_groups() if rank == 0 else None)
     results: dict[str, Any] = {"tp_metrics": {}, "tp_weights": {}, "tp_partition": {}}
@@ -175,11 +175,11 @@ def _worker(rank: int, folder: Path, port: int) -> None:
         assert (saved / "model.safetensors").is_file()  # written before any rank returns
         results["tp_metrics"][name] = _train(model, groups)
         results["tp_weights"][name] = megatron_to_hf(megatron_state_dict(model), spec)
-    megatron_cpu.teardown()
+    megatron_runtime.teardown()
     # Phase 2, data parallel 2: the world given explicitly, rendezvous through a file.
     for var in TORCHRUN_VARS:
         del os.environ[var]
-    rt = megatron_cpu.setup(
+    rt = megatron_runtime.setup(
         "cpu", world_size=WORLD, rank=rank, init_method=f"file://{folder / 'rendezvous'}"
     )
     assert (rt.tensor_parallel_size, rt.data_parallel_size, rt.data_parallel_rank) == (1, 2, rank)
@@ -191,7 +191,7 @@ def _worker(rank: int, folder: Path, port: int) -> None:
     model, spec = load_hf_checkpoint(folder / "qwen3")
     results["dp_one_batch_metrics"] = _train(model, groups[:1], ONE_BATCH)
     results["dp_one_batch_weights"] = megatron_to_hf(megatron_state_dict(model), spec)
-    megatron_cpu.teardown()
+    megatron_runtime.teardown()
     torch.save(results, out / "results.pt")
 
 
@@ -204,7 +204,7 @@ def parallel_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
     spawn_world(_worker, (folder, free_port()), WORLD, SPAWN_TIMEOUT_S)
     ranks = [torch.load(folder / f"rank{r}" / "results.pt") for r in range(WORLD)]
     reference: dict[str, Any] = {}
-    with megatron_cpu.runtime("cpu"):
+    with megatron_runtime.runtime("cpu"):
         for name in MODELS:
             model, spec = load_hf_checkpoint(folder / name)
             with torch.no_grad():
@@ -382,6 +382,6 @@ def test_data_parallel_share_balances_tokens_deterministically() -> None:
 
 def test_world_size_and_rank_go_together() -> None:
     with pytest.raises(ValueError, match="world_size and rank go together"):
-        megatron_cpu.setup("cpu", world_size=2)
-    assert megatron_cpu.current() is None
+        megatron_runtime.setup("cpu", world_size=2)
+    assert megatron_runtime.current() is None
     assert parallel.broadcast_objects({"x": 1}) == {"x": 1}  # no process group: identity

@@ -27,7 +27,7 @@ from corral.trainer.ray_cluster import (
     start_rollout_workers,
     token_env,
 )
-from corral.trainer.rollouts import RowSampler
+from corral.trainer.sampling import RowSampler
 from tests.weather import write_weather_bundle
 
 ray = pytest.importorskip("ray", reason="pip install 'corral[ray]'")

@@ -16,7 +16,8 @@ from corral.rollouts.rows import Row, RowSettings, read_rows, write_rows
 from corral.stack import local_stack
 from corral.trainer.groups import DROP_FAILED, BatchUnfillable, fill_batch
 from corral.trainer.losses import grpo_advantages
-from corral.trainer.rollouts import GroupDraw, RowSampler
+from corral.trainer.rollouts import GroupDraw
+from corral.trainer.sampling import RowSampler
 from tests.servers import serve
 from tests.weather import write_weather_bundle
 

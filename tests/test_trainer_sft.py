@@ -21,7 +21,7 @@ from corral.engines.tiny_model import TOOLS  # noqa: E402
 from corral.gateway.openai_types import ChatMessage, ToolDef  # noqa: E402
 from corral.gateway.parsers.tool_calls import ToolSpec, get_tool_call_parser  # noqa: E402
 from corral.gateway.rendering import ChatRenderer, template_messages, template_tools  # noqa: E402
-from corral.trainer import megatron_cpu  # noqa: E402
+from corral.trainer import megatron_runtime  # noqa: E402
 from corral.trainer.sft import (  # noqa: E402
     ChatExample,
     SftSample,
@@ -79,9 +79,9 @@ def tokenizer(tiny_model_dir: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def runtime() -> Iterator[None]:
-    megatron_cpu.setup("cpu")
+    megatron_runtime.setup("cpu")
     yield
-    megatron_cpu.teardown()
+    megatron_runtime.teardown()
 
 
 @pytest.fixture

@@ -53,10 +53,11 @@ def _worker(rank: int, folder: Path, model: Path, ports: list[int]) -> None:
         (folder / f"{name}-rank{rank}.json").write_text(json.dumps(lines))
 
 
-def _weights(run: Path) -> dict[str, Any]:
+def _weights(model: Path) -> dict[str, Any]:
+    """The tensors of the Hugging Face model folder ``model`` (a run's is ``run/model``)."""
     from safetensors.torch import load_file
 
-    return load_file(str(run / "model" / "model.safetensors"))
+    return load_file(str(model / "model.safetensors"))
 
 
 def test_sft_in_a_world_of_two_trains_as_one_process(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -64,8 +65,8 @@ def test_sft_in_a_world_of_two_trains_as_one_process(tiny_model_dir: Path, tmp_p
     ports = [free_port() for _ in LAYOUTS]
     spawn_world(_worker, (tmp_path, tiny_model_dir, ports), WORLD, SPAWN_TIMEOUT_S)
     single = run_sft(_config(tmp_path, "single", tiny_model_dir))
-    before = _weights_of(tiny_model_dir)
-    want = _weights(tmp_path / "single")
+    before = _weights(tiny_model_dir)
+    want = _weights(tmp_path / "single" / "model")
 
     for name, _ in LAYOUTS:
         leader = json.loads((tmp_path / f"{name}-rank0.json").read_text())
@@ -82,7 +83,7 @@ def test_sft_in_a_world_of_two_trains_as_one_process(tiny_model_dir: Path, tmp_p
                 assert got["micro_batches"] == ref["micro_batches"] == 4
         # The same update: the weights moved as in one process, to float rounding (Adam's
         # first steps are nearly sign(gradient) * lr, so compare against the update's size).
-        got = _weights(tmp_path / name)
+        got = _weights(tmp_path / name / "model")
         assert set(got) == set(want)
         shared = [k for k in want if k in before]
         moved = sum(float((want[k].float() - before[k].float()).norm() ** 2) for k in shared)
@@ -91,9 +92,3 @@ def test_sft_in_a_world_of_two_trains_as_one_process(tiny_model_dir: Path, tmp_p
         for checkpoint in (tmp_path / name / "checkpoints").iterdir():
             shards = sorted(p.name for p in checkpoint.glob("model-rank*"))
             assert shards == ["model-rank0.pt", "model-rank1.pt"], checkpoint
-
-
-def _weights_of(model: Path) -> dict[str, Any]:
-    from safetensors.torch import load_file
-
-    return load_file(str(model / "model.safetensors"))

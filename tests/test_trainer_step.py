@@ -34,11 +34,11 @@ def stack(tiny_model_dir: Path) -> Iterator[StackURLs]:
 
 @pytest.fixture
 def runtime() -> Iterator[None]:
-    from corral.trainer import megatron_cpu
+    from corral.trainer import megatron_runtime
 
-    megatron_cpu.setup("cpu")
+    megatron_runtime.setup("cpu")
     yield
-    megatron_cpu.teardown()
+    megatron_runtime.teardown()
 
 
 async def test_one_rl_step_changes_the_weights_and_the_engine_serves_them(

@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core", reason="pip install 'corral[train]'")
 
-from corral.trainer import megatron_cpu, parallel  # noqa: E402
+from corral.trainer import megatron_runtime, parallel  # noqa: E402
 from tests.worlds import spawn_world  # noqa: E402
 
 WORLD = 2
@@ -26,7 +26,7 @@ SPAWN_TIMEOUT_S = 120
 
 def _worker(rank: int, folder: Path) -> None:
     torch.set_num_threads(1)
-    megatron_cpu.setup(
+    megatron_runtime.setup(
         "cpu",
         world_size=WORLD,
         rank=rank,
@@ -34,7 +34,7 @@ def _worker(rank: int, folder: Path) -> None:
         collective_timeout_s=TIMEOUT_S,
     )
     # Both ranks start the clock together (on the command channel: no timeout to race).
-    torch.distributed.barrier(group=megatron_cpu.command_group())
+    torch.distributed.barrier(group=megatron_runtime.command_group())
     result: dict[str, object] = {}
     if rank == 0:
         time.sleep(LEADER_BUSY_S)
@@ -50,7 +50,7 @@ def _worker(rank: int, folder: Path) -> None:
         result["command"] = parallel.broadcast_command(None)
         result["waited_s"] = time.monotonic() - began
     (folder / f"rank{rank}.json").write_text(json.dumps(result))
-    megatron_cpu.teardown()
+    megatron_runtime.teardown()
 
 
 def test_a_follower_outwaits_the_collective_timeout_on_the_command_channel(

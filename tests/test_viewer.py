@@ -246,9 +246,20 @@ def trained_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
 
 
 def test_the_viewer_reads_a_real_corral_train_run(trained_run: Path) -> None:
-    sources, sets = reader.open_sources([trained_run])
+    sources, found = reader.open_sources([trained_run])
+    sets = [s for s in found if s.step is not None]
     assert sources[0].kind == "run" and [s.step for s in sets] == [0, 1]
     assert [s.weight_version for s in sets] == ["step-0", "step-1"]
+    # What the one update trained on (and the dropped group's rollouts): every rollout with
+    # its session's samples and its spans.
+    (trained,) = [s for s in found if s.name == "rollouts/update-000001"]
+    assert trained.kind == "play" and len(trained.episodes) >= 2
+    assert {e.task_id for e in trained.episodes} <= {"w-ok", "w-raise"}
+    ok = next(e for e in trained.episodes if not e.failed)
+    detail = reader.episode_detail(trained, ok.line)
+    assert detail["samples"] and detail["spans"]["kind"] == "trace"
+    names = [span["name"] for span in detail["spans"]["spans"]]
+    assert names[0] == "episode" and "model_call" in names and "env_reset" in names
     for episode_set in sets:
         by_task = {e.task_id: e for e in episode_set.episodes}
         assert set(by_task) == {"w-ok", "w-raise"}
@@ -345,7 +356,7 @@ def test_a_failed_episode_of_the_real_run_shows_its_reason(
     browser: Any, page: tuple[str, Any]
 ) -> None:
     url, state = page
-    run_set = state.sets[0]
+    run_set = next(s for s in state.sets if s.step == 0)  # the run's first evaluation
     line = next(e.line for e in run_set.episodes if e.failed)
     reason = _go(browser, url, f"#/episode/{run_set.id}/{line}", "#reason")
     assert reason.text == reader.episode_detail(run_set, line)["record"]["reason"].strip()
@@ -410,3 +421,47 @@ def test_the_page_opens_ten_thousand_episodes_in_under_two_seconds(
     print(f"the page showed 10,000 episodes in {seconds:.2f} s ({rendered} rows rendered)")
     assert rendered < 200  # only what is on screen
     assert seconds < 2.0
+
+
+def test_a_live_gateway_lists_its_sessions_and_opens_one(browser: Any, stack: Any) -> None:
+    """The viewer in front of a real gateway (the local engine, the tiny model): the page
+    lists the session made here with its task and reward, a click opens its conversation
+    (model input shown as text) and its sample's tokens by loss mask."""
+    import httpx
+    from selenium.webdriver.common.by import By
+
+    from corral.serving import serve_in_thread
+    from corral.viewer.gateway_source import GatewaySource
+    from tests.gateway_stack import ADMIN, AUTH
+
+    made = stack.session(metadata={"task_id": "live-task"})
+    answered = httpx.post(
+        f"{made['base_url']}/chat/completions",
+        headers={"Authorization": f"Bearer {made['api_key']}"},
+        json={
+            "model": "tiny",
+            "messages": [{"role": "user", "content": HOSTILE}],
+            "max_tokens": 8,
+            "temperature": 0,
+        },
+        timeout=60,
+    )
+    assert answered.status_code == 200, answered.text
+    reward = httpx.post(
+        f"{stack.url}/sessions/{made['id']}/reward", headers=AUTH, json={"reward": 0.5}
+    )
+    assert reward.status_code == 200
+    state = open_state([], pieces=pieces, gateway=GatewaySource(stack.url, ADMIN))
+    with serve_in_thread(create_app(state)) as url:
+        _go(browser, url, "#/", ".session-row")
+        rows = browser.find_elements(By.CSS_SELECTOR, ".session-row")
+        (row,) = [r for r in rows if made["id"] in r.text]
+        cells = [c.text for c in row.find_elements(By.TAG_NAME, "td")]
+        assert cells[1:5] == ["live-task", "1", "1", "0.500"]
+        assert made["api_key"] not in browser.page_source
+        row.find_element(By.TAG_NAME, "a").click()
+        conversation = _wait(browser, "#conversation")
+        assert HOSTILE in conversation.text
+        assert browser.find_element(By.ID, "reward").text == "0.500"
+        assert browser.execute_script("return window.__pwned === undefined")
+        _go(browser, url, f"#/session/{made['id']}/sample/0", ".tok.m1")

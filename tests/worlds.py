@@ -32,7 +32,7 @@ def spawn_world(
 
 
 def join_as_torchrun(rank: int, world: int, port: int) -> None:
-    """Set this process's environment as torchrun sets a rank's (``megatron_cpu.setup`` reads
+    """Set this process's environment as torchrun sets a rank's (``megatron_runtime.setup`` reads
     it); :data:`TORCHRUN_VARS` names what to delete to leave that world's settings."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",

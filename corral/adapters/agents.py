@@ -41,6 +41,11 @@ the reason, never rewarded 0):
 
 Cancellation (the caller's task cancelled) kills the agent's process group, stops the MCP
 server, closes the episode and deletes the session before the cancellation goes on.
+
+With a trace sink (``trace``, :mod:`corral.rollouts.traces`) each episode's spans go to it
+when it ends: ``episode`` (attrs: reward, failed, reason, turns, tool calls), and under it
+``session_open``, ``env_reset``, ``agent`` (the process: exit code, timed out, tool calls) and
+``grading`` (rules 5-7: the episode ended and graded, the outcome set on the session).
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ from corral.envs.client import EnvClient, EnvClientError
 from corral.gateway.client import GatewayAdmin, GatewayAdminError, SessionCreated
 from corral.rollouts.evals import Stats
 from corral.rollouts.rows import Row
+from corral.rollouts.traces import EpisodeTrace, JsonScalar, TraceSink
 from corral.samples import Sample
 
 if TYPE_CHECKING:  # the MCP SDK is imported when a rollout runs, not with the CLI
@@ -290,12 +296,14 @@ async def play_with_agent(
     sampling: dict[str, Any] | None = None,
     group_index: int | None = None,
     cwd: Path | None = None,
+    trace: TraceSink | None = None,
 ) -> AgentRollout:
     """Play ``row`` with the agent command ``agent_cmd`` (see the module docstring for what the
     agent gets and how the rollout ends).
 
     ``env`` (default ``os.environ``) is where the env token is read from and what the agent
-    inherits; ``sampling`` overrides go to the session (they win over the agent's values).
+    inherits; ``sampling`` overrides go to the session (they win over the agent's values);
+    ``trace``: where the episode's spans go (``None``: nothing is recorded).
 
     Every failure of the agent or the env comes back as a failed :class:`AgentRollout` whose
     reason is also flagged on the session. Raises :class:`AgentConfigError` before anything
@@ -308,6 +316,8 @@ async def play_with_agent(
     token = env_token(row, environ)
     meta = row.metadata
     started = time.monotonic()
+    spans = EpisodeTrace(task_id=meta.task_id, attempt=0) if trace is not None else None
+    opened = time.time()
     session = await gateway.open_session(
         metadata={
             "task_id": meta.task_id,
@@ -318,6 +328,9 @@ async def play_with_agent(
         group_index=group_index,
         sampling=sampling,
     )
+    if spans is not None:
+        spans.session_id = session.id
+        spans.add("session_open", opened, time.time())
     rollout = AgentRollout(meta.task_id, meta.split, meta.index, session.id)
     client = EnvClient(
         meta.env.url, token, timeout=meta.env.tool_timeout, reset_timeout=meta.env.reset_timeout
@@ -326,13 +339,17 @@ async def play_with_agent(
         from corral.adapters.mcp_tools import EpisodeTools
 
         tools = EpisodeTools(client, meta.tools)
+        reset_at = time.time()
         try:
             await client.reset(split=meta.split, index=meta.index)
             rollout.status = "running"
         except EnvClientError as exc:
             rollout.fail(f"the episode could not be opened on {meta.env.url}: {exc}")
+        if spans is not None:
+            spans.add("env_reset", reset_at, time.time(), error=rollout.reason)
         if not rollout.failed:
-            await _run_agent_on_episode(
+            agent_at = time.time()
+            ended = await _run_agent_on_episode(
                 rollout,
                 row,
                 session,
@@ -344,7 +361,17 @@ async def play_with_agent(
                 kill_grace_s,
                 cwd,
             )
+            if spans is not None:
+                spans.add(
+                    "agent", agent_at, time.time(), exit_code=rollout.agent_exit_code,
+                    timed_out=ended is not None and ended.timed_out,
+                    tool_calls=rollout.tool_calls, error=rollout.reason,
+                )  # fmt: skip
+        graded_at = time.time()
         await _settle(rollout, gateway, session, tools)
+        if spans is not None:
+            spans.add("grading", graded_at, time.time(), reward=rollout.reward,
+                      status=rollout.status)  # fmt: skip
         rollout.samples = await gateway.samples(session.id)
     finally:
         await client.close()
@@ -353,7 +380,23 @@ async def play_with_agent(
         with contextlib.suppress(GatewayAdminError):
             await gateway.close_session(session.id)
         rollout.seconds = time.monotonic() - started
+        if trace is not None and spans is not None:
+            trace.write(spans.spans(_episode_attrs(rollout)))
     return rollout
+
+
+def _episode_attrs(rollout: AgentRollout) -> dict[str, JsonScalar]:
+    """The ``episode`` span's attrs (a rollout cut short, cancelled, shows what it got to)."""
+    attrs: dict[str, JsonScalar] = {
+        "reward": rollout.reward,
+        "failed": rollout.failed,
+        "reason": rollout.reason,
+        "status": rollout.status,
+        "turns": rollout.turns,
+        "tool_calls": rollout.tool_calls,
+    }
+    attrs.update({f"score.{k}": v for k, v in (rollout.scores or {}).items()})
+    return attrs
 
 
 async def _run_agent_on_episode(
@@ -367,8 +410,9 @@ async def _run_agent_on_episode(
     timeout_s: float,
     kill_grace_s: float,
     cwd: Path | None,
-) -> None:
-    """Serve the episode's tools, run the agent to its end, and record rules 2-4."""
+) -> AgentExit | None:
+    """Serve the episode's tools, run the agent to its end, and record rules 2-4; how the
+    agent ended (``None``: it could not be started)."""
     from corral.adapters.mcp_tools import serve_episode_tools
 
     async with serve_episode_tools(tools) as endpoint:
@@ -379,7 +423,7 @@ async def _run_agent_on_episode(
             )
         except OSError as exc:
             rollout.fail(f"the agent command {shlex.join(argv)!r} could not be started: {exc}")
-            return
+            return None
     rollout.tool_calls = tools.calls
     rollout.agent_exit_code = ended.exit_code
     rollout.agent_stderr = ended.stderr_tail
@@ -390,6 +434,7 @@ async def _run_agent_on_episode(
     elif ended.exit_code != 0:
         tail = ended.stderr_tail.strip()[-1000:] or "(no stderr)"
         rollout.fail(f"the agent exited with code {ended.exit_code}; stderr tail:\n{tail}")
+    return ended
 
 
 async def _settle(

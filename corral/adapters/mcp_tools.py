@@ -24,13 +24,11 @@ import contextlib
 import hmac
 import json
 import secrets
-import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import mcp.types as mcp_types
-import uvicorn
 from mcp.server.context import ServerRequestContext
 from mcp.server.lowlevel import Server
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -42,6 +40,7 @@ from corral.envs.protocol import (
     CallToolObservation,
     StepResult,
 )
+from corral.serving import serve_in_loop
 
 # The end_turn description the agent reads: it decides when the agent stops, so it says what
 # ending the turn does, whatever the row's text.
@@ -247,37 +246,6 @@ class McpEndpoint:
     token: str
 
 
-class _EmbeddedServer(uvicorn.Server):
-    """uvicorn inside a running event loop: signals stay the host process's, and startup is
-    announced on an event (no polling)."""
-
-    def __init__(self, config: uvicorn.Config) -> None:
-        super().__init__(config)
-        self.ready = asyncio.Event()
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        # Many of these run at once in one process: none may take SIGINT/SIGTERM for itself.
-        yield
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        try:
-            await super().startup(sockets=sockets)
-        finally:
-            self.ready.set()
-
-
-def _listening_socket(host: str) -> socket.socket:
-    # Bound here, port 0: the kernel picks a free port, with no window for another process
-    # to take it between choosing and binding.
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, 0))
-    sock.listen(128)
-    sock.setblocking(False)
-    return sock
-
-
 @contextlib.asynccontextmanager
 async def serve_episode_tools(
     tools: EpisodeTools, *, host: str = "127.0.0.1"
@@ -293,30 +261,18 @@ async def serve_episode_tools(
     starlette_app = server.streamable_http_app(
         streamable_http_path=MCP_PATH, host=host, session_idle_timeout=None
     )
-    sock = _listening_socket(host)
-    port = sock.getsockname()[1]
-    # lifespan "off": the SDK's session manager is run here instead, so a failure surfaces as
-    # an exception in this task rather than as uvicorn's sys.exit.
-    config = uvicorn.Config(
-        BearerGate(starlette_app, token),
-        lifespan="off",
-        log_level="warning",
-        access_log=False,
-        timeout_graceful_shutdown=1,
-    )
-    embedded = _EmbeddedServer(config)
-    async with server.session_manager.run():
-        serving = asyncio.create_task(embedded.serve(sockets=[sock]), name=f"mcp-{port}")
-        try:
-            ready = asyncio.create_task(embedded.ready.wait())
-            await asyncio.wait({serving, ready}, return_when=asyncio.FIRST_COMPLETED)
-            ready.cancel()
-            if not embedded.started:
-                raise RuntimeError(f"the MCP server on {host}:{port} did not start")
-            yield McpEndpoint(url=f"http://{host}:{port}{MCP_PATH}", token=token)
-        finally:
-            embedded.should_exit = True
-            await asyncio.wait({serving})
-            if not serving.cancelled():
-                serving.exception()  # retrieved: a teardown failure must not mask the block's
-            sock.close()
+    # lifespan "off": the app's lifespan would run the SDK's session manager, which is run
+    # here instead so that its failure surfaces as an exception in this task. The server has
+    # corral's transport limits, as every other: no stray client holds a socket for ever.
+    async with (
+        server.session_manager.run(),
+        serve_in_loop(
+            BearerGate(starlette_app, token),
+            host=host,
+            lifespan="off",
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=1,
+        ) as url,
+    ):
+        yield McpEndpoint(url=f"{url}{MCP_PATH}", token=token)

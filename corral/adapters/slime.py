@@ -49,6 +49,7 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -230,16 +231,16 @@ def _start_gateway(args: Any) -> ServedGateway:
             "args.hf_checkpoint is not set (the gateway's tokenizer and template); "
             f"or set {GATEWAY_URL_VAR} to a running corral gateway"
         )
-    from corral.gateway.server import create_gateway
-    from corral.serving import serve_in_thread
+    from corral.gateway.launch import GatewayLaunch
+    from corral.stack.gateway import gateway_in_thread
 
     engine = router_url(args)
     settings = gateway_settings(args)
     # Only this process talks to it, but it listens on a port: its admin API needs a secret.
     token = secrets.token_urlsafe(24)
-    app = create_gateway(engine, checkpoint, admin_token=token, **settings)
+    launch = GatewayLaunch(engine_url=engine, model=Path(checkpoint))
     stack = ExitStack()
-    url = stack.enter_context(serve_in_thread(app))
+    url = stack.enter_context(gateway_in_thread(launch, admin_token=token, **settings))
     logger.info("corral: gateway at %s in front of %s (%s)", url, engine, settings)
     return ServedGateway(url, token, _load_tokenizer(checkpoint), stack)
 

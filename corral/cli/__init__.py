@@ -32,9 +32,15 @@ def _version() -> str:
 
 def build_parser() -> Parser:
     """The ``corral`` parser with every subcommand."""
-    from corral.cli.commands import add_core_commands
+    from corral.cli.bundle import add_bundle_command
     from corral.cli.harness import add_harness_command
+    from corral.cli.main_job import add_run_command
+    from corral.cli.model import add_model_command
     from corral.cli.play import add_play_command
+    from corral.cli.rows import add_rows_commands
+    from corral.cli.sandbox import add_sandbox_command
+    from corral.cli.servers import add_server_commands
+    from corral.cli.template import add_template_command
     from corral.cli.train import add_train_commands
     from corral.cli.view import add_view_command
     from corral.doctor import add_doctor_command
@@ -49,7 +55,13 @@ def build_parser() -> Parser:
         "--version", action="version", version=f"corral {_version()}", help="print the version"
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    add_core_commands(sub)
+    add_run_command(sub)
+    add_model_command(sub)
+    add_server_commands(sub)
+    add_rows_commands(sub)
+    add_bundle_command(sub)
+    add_sandbox_command(sub)
+    add_template_command(sub)
     add_play_command(sub)
     add_harness_command(sub)
     add_train_commands(sub)

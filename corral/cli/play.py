@@ -1,6 +1,7 @@
 """``corral play``: play rows with a black-box agent, in the episode's own sandbox
 (``--harness``, :mod:`corral.rollouts.harness_play`) or on this host (``--agent-cmd``,
-:mod:`corral.adapters.agents`); write the episodes, samples and summary under ``--out``.
+:mod:`corral.adapters.agents`); write the episodes, samples and summary under ``--out``, and
+each episode's spans to ``--out``/traces.jsonl as it ends (:mod:`corral.rollouts.traces`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from corral.rollouts.evals import report_play
 from corral.rollouts.harness_play import HarnessOptions, HarnessPlayer, add_harness_arguments
 from corral.rollouts.player import PlayerError
 from corral.rollouts.rows import Row, RowsError, read_rows
+from corral.rollouts.traces import TraceWriter
 
 
 def add_play_command(sub: argparse._SubParsersAction) -> None:
@@ -38,7 +40,8 @@ def add_play_command(sub: argparse._SubParsersAction) -> None:
         "CORRAL_SYSTEM_PROMPT / CORRAL_TASK_ID. When it exits the episode is ended and graded "
         "and the reward lands on the session; an agent that times out or exits non-zero, or "
         "an env that fails, flags the episode failed (never a 0). Writes episodes.jsonl, "
-        "samples.jsonl and summary.json under --out and prints the mean reward over the "
+        "samples.jsonl, summary.json and traces.jsonl (each episode's spans, for `corral "
+        "view`) under --out and prints the mean reward over the "
         "scored episodes with its standard error. Exits 1 when no episode was scored.",
     )
     play.add_argument("rows", help="a rows file (JSONL written by `corral rows`)")
@@ -94,13 +97,17 @@ def _play(args: argparse.Namespace) -> int:
         raise UsageError(str(exc), "Pass a file written by `corral rows`.") from None
     if not rows:
         raise RunError(f"no rows selected from {args.rows}")
+    # The folder is known now: each episode's spans are written there as it ends.
+    trace = TraceWriter(Path(args.out))
     if options is not None:
-        return _play_with_harness(args, rows, admin_token, options)
+        return _play_with_harness(args, rows, admin_token, options, trace)
     agents.make_undumpable()
-    return _play_on_host(args, rows, admin_token)
+    return _play_on_host(args, rows, admin_token, trace)
 
 
-def _play_on_host(args: argparse.Namespace, rows: list[Row], admin_token: str | None) -> int:
+def _play_on_host(
+    args: argparse.Namespace, rows: list[Row], admin_token: str | None, trace: TraceWriter
+) -> int:
     """Host mode: the agent command runs on this machine (development only: nothing but
     its environment keeps it from this user's files)."""
     from rich.progress import Progress
@@ -119,6 +126,7 @@ def _play_on_host(args: argparse.Namespace, rows: list[Row], admin_token: str | 
                 timeout_s=args.timeout,
                 hidden_vars=hidden,
                 on_done=lambda _: progress.advance(task),
+                trace=trace,
             )
 
     try:
@@ -133,7 +141,11 @@ def _play_on_host(args: argparse.Namespace, rows: list[Row], admin_token: str | 
 
 
 def _play_with_harness(
-    args: argparse.Namespace, rows: list[Row], admin_token: str | None, options: HarnessOptions
+    args: argparse.Namespace,
+    rows: list[Row],
+    admin_token: str | None,
+    options: HarnessOptions,
+    trace: TraceWriter,
 ) -> int:
     """``corral play --harness``: play ``rows`` through a
     :class:`~corral.rollouts.harness_play.HarnessPlayer`, write the outputs under ``--out``,
@@ -144,7 +156,7 @@ def _play_with_harness(
         async with GatewayAdmin(args.gateway, admin_token) as gateway:
             await probe_gateway(gateway, args.admin_token_var or None)
             task = progress.add_task(f"playing ({options.harness.name})", total=len(rows))
-            async with HarnessPlayer.of(gateway, options) as player:
+            async with HarnessPlayer.of(gateway, options, trace=trace) as player:
                 return await harness_play.play_rows(
                     player,
                     rows,

@@ -1,10 +1,11 @@
-"""``corral train`` and ``corral plot``: argument parsing and display around
-:class:`~corral.trainer.loop.Trainer` and :func:`~corral.trainer.plot.plot_run`."""
+"""``corral train``, ``corral sft`` and ``corral plot``: argument parsing, the progress
+display and the one-line errors around :func:`~corral.trainer.launch.train`,
+:func:`~corral.trainer.sft_run.run_sft` and :func:`~corral.trainer.plot.plot_run`, which raise
+the trainer's own errors."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import warnings
 from collections.abc import Sequence
@@ -82,6 +83,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from corral.console import make_console
     from corral.envs.bundle import BundleError
     from corral.rollouts.rows import RowsError
+    from corral.trainer.checkpoint import latest_step
     from corral.trainer.groups import BatchUnfillable
     from corral.trainer.services import ServicesError
     from corral.trainer.weights import WeightSyncError
@@ -92,7 +94,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = _config("load_config", args.config, overrides)
     if config.ray.address is None:  # on Ray the GPU is the cluster's, not this machine's
         _check_device(config.model.device)
-    done = _finished_steps(config.run_dir)
+    done = latest_step(config.run_dir)
     if done is not None and done >= config.schedule.steps:
         print(
             f"corral train: run {config.run_dir} already finished {done} steps; pass --steps M "
@@ -150,17 +152,6 @@ def _check_device(device: str) -> None:
         f"model.device=cuda but {why}",
         "Run on a machine with a GPU and a CUDA build of torch, or set model.device=cpu.",
     )
-
-
-def _finished_steps(run_dir: Path) -> int | None:
-    """The step of ``run_dir``'s latest complete checkpoint, or None when it has none (read
-    from its ``state.json`` alone: the weights are not loaded for this)."""
-    from corral.trainer.checkpoint import TrainerState, latest_checkpoint
-
-    path = latest_checkpoint(run_dir)
-    if path is None:
-        return None
-    return TrainerState(**json.loads((path / "state.json").read_text())).step
 
 
 def _report(console: Any, run_dir: Path) -> None:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from corral.cli.errors import RunError, UsageError
+from corral.cli.errors import UsageError
 
 DEFAULT_PORT = 8300
 
@@ -49,10 +49,9 @@ def add_view_command(sub: Any) -> None:
 
 
 def cmd_view(args: argparse.Namespace) -> int:
-    import uvicorn
-
+    from corral.cli.options import listening
     from corral.env_secrets import SecretMissing, env_secret
-    from corral.transport import TransportLimits, hardened_config
+    from corral.serving import serve_forever
     from corral.viewer.app import LOOPBACK_HOSTS, create_app, open_state
     from corral.viewer.gateway_source import GatewaySource
     from corral.viewer.pieces import load_pieces, tokenizer_folder
@@ -91,13 +90,6 @@ def cmd_view(args: argparse.Namespace) -> int:
         f"http://{args.host}:{args.port}/",
         file=sys.stderr,
     )
-    # corral.serving has only serve_in_thread (a background thread for tests): the command
-    # runs uvicorn in the foreground itself, with corral's transport limits.
-    server = uvicorn.Server(
-        hardened_config(app, TransportLimits(), host=args.host, port=args.port, log_level="warning")
-    )
-    try:
-        server.run()
-    except OSError as exc:
-        raise RunError(f"cannot listen on {args.host}:{args.port}: {exc}") from None
+    with listening(args.host, args.port):
+        serve_forever(app, host=args.host, port=args.port, log_level="warning")
     return 0

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import FastAPI
 
 from corral.envs.episodes import EpisodeManager
@@ -38,37 +36,20 @@ def run_server(
 
     A SIGTERM shutdown is a clean exit: this returns normally (``corral serve`` exits 0),
     where a bare ``uvicorn.run`` re-raises the signal after shutting down (exit status -15).
+    A port that cannot be bound raises :class:`corral.serving.BindError` (an ``OSError``).
+    This is :func:`corral.serving.serve_forever` with the manager's shutdown as its
+    ``on_shutdown``.
     """
-    import signal
-    import threading
-
-    import uvicorn
-
-    from corral.transport import hardened_config
+    from corral.serving import serve_forever
 
     manager: EpisodeManager = app.state.episodes
-
-    class _Server(uvicorn.Server):
-        async def shutdown(self, sockets: Any = None) -> None:
-            await manager.shutdown()
-            await super().shutdown(sockets=sockets)
-
-    config = hardened_config(
+    serve_forever(
         app,
-        limits or TransportLimits(),
         host=host,
         port=port,
+        limits=limits,
         log_level=log_level,
         access_log=access_log,
+        on_shutdown=manager.shutdown,
         timeout_graceful_shutdown=timeout_graceful_shutdown,
     )
-    if threading.current_thread() is not threading.main_thread():
-        _Server(config).run()
-        return
-    # uvicorn restores this handler after its shutdown and re-raises the SIGTERM it caught:
-    # a no-op here makes the graceful shutdown the end of it.
-    previous = signal.signal(signal.SIGTERM, lambda *_: None)
-    try:
-        _Server(config).run()
-    finally:
-        signal.signal(signal.SIGTERM, previous)

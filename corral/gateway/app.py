@@ -63,6 +63,9 @@ T = TypeVar("T")
 # The Stainless-generated SDKs (OpenAI's and Anthropic's) send this on retries of a request.
 RETRY_HEADER = "x-stainless-retry-count"
 REAP_INTERVAL_S = 30.0
+# GET /sessions: sessions a page holds unless ?limit= says otherwise, and the most it may ask.
+LIST_LIMIT = 100
+MAX_LIST_LIMIT = 1000
 
 
 class ClientGone(Exception):
@@ -174,6 +177,17 @@ def build_gateway_app(
             id=session.id, base_url=root + "/v1", anthropic_base_url=root, api_key=session.api_key
         )
         return JSONResponse(created.model_dump(), status_code=201)
+
+    @route("/sessions", "GET")
+    async def list_sessions(request: Request) -> JSONResponse:
+        require_admin(request)
+        limit = _query_int(request, "limit", default=LIST_LIMIT, low=1, high=MAX_LIST_LIMIT)
+        after = request.query_params.get("after") or None
+        try:
+            page = store.page(limit=limit, after=after)
+        except SessionNotFound as exc:
+            raise GatewayError("not_found", str(exc), code="session_not_found") from None
+        return JSONResponse(page.model_dump())
 
     @route("/sessions/{session_id}", "GET")
     async def get_session(request: Request, session_id: str) -> JSONResponse:
@@ -537,6 +551,21 @@ def _unexpected(exc: Exception) -> GatewayError:
         "the gateway failed to answer this request",
         detail=f"{type(exc).__name__}: {exc}",
     )
+
+
+def _query_int(request: Request, name: str, *, default: int, low: int, high: int) -> int:
+    """The integer query parameter ``name`` (``default`` when absent); a 400 naming it for
+    anything but an integer in ``[low, high]``."""
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = low - 1
+    if not low <= value <= high:
+        raise bad_request(f"{name} must be an integer from {low} to {high}", param=name)
+    return value
 
 
 def _same_secret(given: str, expected: str) -> bool:

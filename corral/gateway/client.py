@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from types import TracebackType
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -61,6 +62,37 @@ class FailBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     reason: str
+
+
+class SessionSummary(BaseModel):
+    """One session in ``GET /sessions``: where it stands, never its api key. ``metadata`` is
+    the session's own (``SessionOptions.metadata``: a player puts the task id there)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    closed: bool
+    age_s: float
+    idle_s: float
+    turns: int
+    trajectories: int
+    held_tokens: int
+    reward: float | None
+    failure: str | None
+    group_index: int | None
+    metadata: dict[str, Any]
+
+
+class SessionPage(BaseModel):
+    """The answer to ``GET /sessions?limit=N&after=ID``: up to ``limit`` sessions, oldest
+    first, after the session ``after`` (the previous page's ``next``); ``next`` is None on the
+    last page. ``total``: the sessions open now."""
+
+    model_config = ConfigDict(frozen=True)
+
+    sessions: list[SessionSummary]
+    total: int
+    next: str | None
 
 
 class GatewayAdmin:
@@ -148,6 +180,14 @@ class GatewayAdmin:
     async def fail(self, session_id: str, reason: str) -> None:
         """Flag the session failed: every sample gets status ``failed`` and the reason."""
         await self._call("POST", f"/sessions/{session_id}/fail", FailBody(reason=reason))
+
+    async def list_sessions(self, *, limit: int = 100, after: str | None = None) -> SessionPage:
+        """A page of the open sessions, oldest first (:class:`SessionPage`)."""
+        query = f"?limit={int(limit)}" + (f"&after={quote(after, safe='')}" if after else "")
+        try:
+            return SessionPage.model_validate(await self._call("GET", "/sessions" + query))
+        except ValidationError as exc:
+            raise GatewayAdminError(f"GET /sessions: not a session page: {exc}") from exc
 
     async def view(self, session_id: str) -> dict[str, Any]:
         """The session's turns, trajectories and drift report."""

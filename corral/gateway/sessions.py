@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from corral.gateway.client import SessionPage, SessionSummary
 from corral.gateway.history import ConversationIndex
 from corral.gateway.options import SessionOptions
 from corral.gateway.recording import (
@@ -285,6 +286,23 @@ class Session:
             "drift": self.drift_report(),
         }
 
+    def summary(self) -> SessionSummary:
+        """Where the session stands, for ``GET /sessions`` (never the api key)."""
+        now = self._clock()
+        return SessionSummary(
+            id=self.id,
+            closed=self._closed,
+            age_s=now - self.created_at,
+            idle_s=now - self.last_used,
+            turns=len(self._merger.turns),
+            trajectories=len(self._merger.trajectories),
+            held_tokens=self._merger.held_tokens,
+            reward=self._reward,
+            failure=self._failure,
+            group_index=self.options.group_index,
+            metadata=self.options.metadata,
+        )
+
     def _ensure_open(self) -> None:
         if self._closed:
             raise SessionClosed(f"session {self.id!r} was closed")
@@ -385,6 +403,24 @@ class SessionStore:
         if session is None:
             raise SessionNotFound(f"session {session_id!r} not found")
         return self._live(session)
+
+    def page(self, *, limit: int, after: str | None = None) -> SessionPage:
+        """Up to ``limit`` open sessions, oldest first, after session ``after`` (a page's
+        ``next``). SessionNotFound when ``after`` is no open session (it expired or was deleted
+        between pages: start again without it)."""
+        ids = list(self._sessions)
+        start = 0
+        if after is not None:
+            if after not in self._sessions:
+                raise SessionNotFound(f"no session {after!r} to list after")
+            start = ids.index(after) + 1
+        chosen = ids[start : start + limit]
+        more = start + limit < len(ids)
+        return SessionPage(
+            sessions=[self._sessions[i].summary() for i in chosen],
+            total=len(ids),
+            next=chosen[-1] if more and chosen else None,
+        )
 
     def by_api_key(self, api_key: str) -> Session:
         """The open session whose key is ``api_key``, marked used (as :meth:`get`)."""

@@ -13,6 +13,12 @@ harness=...)``, ``corral eval --harness``) a black-box agent plays each episode 
 sandbox; each record then carries the agent's run (``agent``: exit, timings) and
 :func:`write_eval` writes its transcript to ``transcripts/<n>.jsonl`` (``n``: the record's line
 in ``episodes.jsonl``, from 0).
+
+Every episode is traced (:mod:`corral.rollouts.traces`): into the sink ``run_eval(...,
+trace=...)`` is given, written as each episode ends (a
+:class:`~corral.rollouts.traces.TraceWriter` on the eval's folder), or, without one, into a
+bounded buffer on the report that :func:`write_eval` writes to ``traces.jsonl`` beside the
+episodes (a caller that learns its folder only at the end: ``corral eval``, a run's evals).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from corral.rollouts.harness_play import (
 )
 from corral.rollouts.player import Player, Rollout
 from corral.rollouts.rows import Row
+from corral.rollouts.traces import TraceBuffer, TraceSink, TraceWriter
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -85,6 +92,8 @@ class EpisodeRecord(BaseModel):
     split: str
     index: int
     attempt: int
+    # The episode's gateway session: what its spans in traces.jsonl are matched by.
+    session_id: str | None = None
     group: str | None
     reward: float | None
     failed: bool
@@ -110,6 +119,7 @@ class EpisodeRecord(BaseModel):
             split=meta.split,
             index=meta.index,
             attempt=attempt,
+            session_id=rollout.session_id,
             group=group,
             reward=rollout.reward,
             failed=rollout.failed,
@@ -131,10 +141,14 @@ class EpisodeRecord(BaseModel):
 
 
 class EvalReport(BaseModel):
+    """``traces``: the episodes' ``traces.jsonl`` text when :func:`run_eval` kept it (no
+    sink was given), one chunk per episode; :func:`write_eval` writes it."""
+
     overall: Stats
     group_by: str | None
     groups: dict[str, Stats]
     episodes: list[EpisodeRecord]
+    traces: list[str] = Field(default_factory=list, exclude=True)
 
 
 def _dig(data: Any, path: str) -> Any:
@@ -173,18 +187,25 @@ async def run_eval(
     groups: Mapping[str, str] | None = None,
     group_by: str | None = None,
     on_episode: Callable[[EpisodeRecord], None] | None = None,
+    trace: TraceSink | None = None,
 ) -> EvalReport:
     """Play every row ``n`` times, at most ``concurrency`` at once; ``on_episode`` is called
-    as each ends (for a progress bar). A :class:`~corral.rollouts.player.PlayerError` (a row
-    that cannot be played at all) propagates and cancels the rest."""
+    as each ends (for a progress bar). Each episode's spans go to ``trace`` as it ends, or
+    without one to the report's ``traces`` (module docstring). A
+    :class:`~corral.rollouts.player.PlayerError` (a row that cannot be played at all)
+    propagates and cancels the rest."""
     if n < 1 or concurrency < 1:
         raise ValueError("n and concurrency must be at least 1")
     room = asyncio.Semaphore(concurrency)
     groups = groups or {}
+    kept = TraceBuffer() if trace is None else None
+    sink = trace if trace is not None else kept
 
     async def one(row: Row, attempt: int) -> EpisodeRecord:
         async with room:
-            rollout = await player.play(row, group_index=row.metadata.index, index=attempt)
+            rollout = await player.play(
+                row, group_index=row.metadata.index, index=attempt, trace=sink
+            )
         record = EpisodeRecord.of(rollout, attempt, groups.get(row.metadata.task_id))
         if on_episode is not None:
             on_episode(record)
@@ -202,6 +223,7 @@ async def run_eval(
         group_by=group_by,
         groups={g: Stats.of(v) for g, v in sorted(by_group.items(), key=_group_order)},
         episodes=records,
+        traces=kept.chunks if kept is not None else [],
     )
 
 
@@ -249,7 +271,8 @@ def report_play(summary: Stats, failures: Sequence[tuple[str, str | None]], out:
 
 
 def write_eval(report: EvalReport, out: Path) -> None:
-    """``episodes.jsonl`` (one line per episode), ``summary.json`` (the rest) and, for a
+    """``episodes.jsonl`` (one line per episode), ``summary.json`` (the rest), the report's
+    kept ``traces.jsonl`` (when it kept one: else a sink wrote it as the eval went) and, for a
     harness's episodes, ``transcripts/<n>.jsonl`` in ``out``."""
     from corral.rollouts.harness_play import write_transcript
 
@@ -261,6 +284,8 @@ def write_eval(report: EvalReport, out: Path) -> None:
                 write_transcript(out / "transcripts", number, record.transcript)
     summary = report.model_dump(exclude={"episodes"})
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if report.traces:
+        TraceWriter(out).write_lines(report.traces)
 
 
 async def eval_rows(
@@ -274,12 +299,13 @@ async def eval_rows(
     sampling: dict[str, Any] | None = None,
     on_episode: Callable[[EpisodeRecord], None] | None = None,
     harness: HarnessOptions | None = None,
+    trace: TraceSink | None = None,
 ) -> EvalReport:
     """:func:`run_eval` against the gateway at ``gateway_url``, with the bundle's grouping.
     ``env_token``: the env servers' token, for their task API (episodes look it up through the
     rows' token variable). ``harness``: play with a
     :class:`~corral.rollouts.harness_play.HarnessPlayer` (an agent in each episode's sandbox)
-    instead of the episode player."""
+    instead of the episode player. ``trace``: as :func:`run_eval`'s."""
     group_by, groups = await asyncio.to_thread(task_groups, rows, env_token)
     async with GatewayAdmin(gateway_url, admin_token) as admin:
         player: Player | HarnessPlayer = (
@@ -296,4 +322,5 @@ async def eval_rows(
                 groups=groups,
                 group_by=group_by,
                 on_episode=on_episode,
+                trace=trace,
             )

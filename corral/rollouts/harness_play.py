@@ -27,7 +27,14 @@ Failure is explicit, never a reward of 0 (first rule that applies):
 
 Everything the agent did is kept on the rollout (:class:`HarnessRollout`): its
 :class:`~corral.envs.protocol.AgentRun` (exit, tails, transcript) and the rollout's marks in
-time (:class:`HarnessMarks`). :func:`add_harness_arguments` adds the command-line flags that make
+time (:class:`HarnessMarks`). With a trace sink (:mod:`corral.rollouts.traces`) each episode's spans
+go to it when it ends: ``episode`` (attrs: reward, failed, reason, turns), and under it
+``session_open``, ``env_reset``, ``agent`` (the agent's process, from the env server's
+:class:`~corral.envs.protocol.AgentRun` times placed on this host's clock from when the launch
+was sent; attrs: exit code, timed out, killed reason, gateway connections), with its child
+``first_model_request`` (the agent's start to its first gateway connection), and ``grading``
+(the env server ending and grading the episode after the agent). :func:`add_harness_arguments`
+adds the command-line flags that make
 a :class:`HarnessOptions` (``corral play``, ``corral eval``; read back by the CLI).
 """
 
@@ -60,6 +67,7 @@ from corral.rollouts.player import (
     start_episode,
 )
 from corral.rollouts.rows import Row
+from corral.rollouts.traces import EpisodeTrace, JsonScalar, TraceSink
 
 if TYPE_CHECKING:
     from corral.rollouts.evals import Stats
@@ -133,7 +141,8 @@ def session_path(session: SessionCreated) -> str:
 class HarnessPlayer:
     """Plays rows with ``harness`` in each episode's sandbox (module docstring). ``sampling``
     overrides every session's sampling; ``env`` is where a row's token variable is looked up
-    (default ``os.environ``). ValueError for a non-positive budget or a bad gateway origin."""
+    (default ``os.environ``); ``trace``, where every episode's spans go (``None``: nothing is
+    recorded). ValueError for a non-positive budget or a bad gateway origin."""
 
     def __init__(
         self,
@@ -145,6 +154,7 @@ class HarnessPlayer:
         sandbox_gateway: str | None = None,
         sampling: dict[str, Any] | None = None,
         env: Mapping[str, str] | None = None,
+        trace: TraceSink | None = None,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError("the agent's timeout must be positive")
@@ -155,6 +165,7 @@ class HarnessPlayer:
         self.sandbox_gateway = origin(sandbox_gateway or gateway.url)
         self.sampling = dict(sampling or {})
         self.env = env if env is not None else os.environ
+        self.trace = trace
         self._guarded: asyncio.Task[None] | None = None
 
     @classmethod
@@ -165,6 +176,7 @@ class HarnessPlayer:
         *,
         sampling: dict[str, Any] | None = None,
         env: Mapping[str, str] | None = None,
+        trace: TraceSink | None = None,
     ) -> HarnessPlayer:
         """The player ``options`` describe."""
         return cls(
@@ -175,6 +187,7 @@ class HarnessPlayer:
             sandbox_gateway=options.sandbox_gateway,
             sampling=sampling,
             env=env,
+            trace=trace,
         )
 
     async def aclose(self) -> None:
@@ -217,10 +230,12 @@ class HarnessPlayer:
         index: int | None = None,
         metadata: dict[str, Any] | None = None,
         sampling: dict[str, Any] | None = None,
+        trace: TraceSink | None = None,
     ) -> HarnessRollout:
-        """Play ``row`` once (module docstring for what fails and how). :class:`PlayerError`
-        for a row that cannot be played at all (not a row, its token variable unset, a
-        gateway that opens no session, a harness that cannot launch this task)."""
+        """Play ``row`` once (module docstring for what fails and how); ``trace``, the
+        player's sink for this episode's spans. :class:`PlayerError` for a row that cannot be
+        played at all (not a row, its token variable unset, a gateway that opens no session, a
+        harness that cannot launch this task)."""
         started, started_at = time.monotonic(), time.time()
         try:
             row = row if isinstance(row, Row) else Row.model_validate(row)
@@ -230,17 +245,23 @@ class HarnessPlayer:
         await self._guard()
         meta, ref = row.metadata, row.metadata.env
         tags = {"task_id": meta.task_id, "split": meta.split, "index": meta.index}
+        sink = trace if trace is not None else self.trace
+        spans = EpisodeTrace(task_id=meta.task_id, attempt=index) if sink is not None else None
         client = EnvClient(
             ref.url, token, timeout=ref.tool_timeout + 5.0, reset_timeout=ref.reset_timeout + 5.0
         )
-        reset = asyncio.ensure_future(_reset(client, row))
+        reset = asyncio.ensure_future(_reset(client, row, spans))
         try:
+            opened = time.time()
             session = await self.gateway.open_session(
                 metadata={**tags, "harness": self.harness.name, **(metadata or {})},
                 group_index=group_index,
                 index=index,
                 sampling={**self.sampling, **(sampling or {})},
             )
+            if spans is not None:
+                spans.session_id = session.id
+                spans.add("session_open", opened, time.time())
         except BaseException as exc:
             reset.cancel()
             with contextlib.suppress(BaseException):
@@ -252,6 +273,7 @@ class HarnessPlayer:
         outcome = _Outcome()
         reward_set_s: float | None = None
         launched_s: float | None = None
+        reason: str | None = None
         try:
             try:
                 launch = await self._launch(session, reset)
@@ -259,7 +281,12 @@ class HarnessPlayer:
                 # What the server may take to end and grade the episode after the agent: the
                 # finish tool, then end_turn calls up to the row's max_turns.
                 finish_s = (ref.max_turns + 1) * (ref.tool_timeout + 5.0)
-                outcome.result = await self._run(client, launch, finish_s)
+                sent = time.time()
+                try:
+                    outcome.result = await self._run(client, launch, finish_s)
+                finally:
+                    if spans is not None:
+                        _trace_agent(spans, sent, time.time(), outcome.result)
                 outcome.judge(self.timeout_s, await self._turns(session.id))
             except _Failed as exc:
                 outcome.fail(str(exc))
@@ -273,10 +300,24 @@ class HarnessPlayer:
             )
             if reason is None:
                 reward_set_s = time.monotonic() - started
+        except BaseException as exc:  # for the trace only: the error goes on
+            if reason is None:
+                cancelled = isinstance(exc, asyncio.CancelledError)
+                reason = "cancelled" if cancelled else f"{type(exc).__name__}: {exc}"
+            raise
         finally:
             # Shielded: a cancelled rollout still deletes its session (and never leaks it).
             with contextlib.suppress(GatewayAdminError):
                 await asyncio.shield(self.gateway.close_session(session.id))
+            if sink is not None and spans is not None:
+                attrs: dict[str, JsonScalar] = {
+                    "reward": None if reason else outcome.reward,
+                    "failed": reason is not None,
+                    "reason": reason,
+                    "turns": outcome.turns,
+                    "harness": self.harness.name,
+                }
+                sink.write(spans.spans(attrs))
         total = time.monotonic() - started
         run = outcome.result.run if outcome.result is not None else None
         agent_s = run.seconds if run is not None else 0.0
@@ -393,12 +434,45 @@ class StartedEpisode:
         return cls(observation.prompt, observation.task_id, instructions)
 
 
-async def _reset(client: EnvClient, row: Row) -> StartedEpisode:
+async def _reset(client: EnvClient, row: Row, spans: EpisodeTrace | None) -> StartedEpisode:
     """Start the row's episode (as the player does); ``_Failed`` when it does not start."""
-    try:
-        return StartedEpisode.of(await start_episode(client, row))
-    except RolloutFailed as exc:
-        raise _Failed(str(exc)) from exc
+    with contextlib.nullcontext() if spans is None else spans.span("env_reset"):
+        try:
+            return StartedEpisode.of(await start_episode(client, row))
+        except RolloutFailed as exc:
+            raise _Failed(str(exc)) from exc
+
+
+def _trace_agent(spans: EpisodeTrace, sent: float, back: float, result: AgentResult | None) -> None:
+    """The ``agent``, ``first_model_request`` and ``grading`` spans of the env server's run
+    of the agent, sent at ``sent`` and answered at ``back`` (wall clock). The run's own times
+    are seconds since the server took the launch: placed from ``sent`` (the frame's transit
+    is the error), kept within ``[sent, back]``."""
+    if result is None:  # the server refused the launch or failed: only the call's time
+        spans.add("agent", sent, back, error="the agent was not run")
+        return
+    run = result.run
+
+    def at(offset: float | None) -> float:
+        return min(max(sent + (offset or 0.0), sent), back)
+
+    start, end = at(run.started_s), at(run.seconds)
+    spans.add(
+        "agent",
+        start,
+        end,
+        exit_code=run.exit_code,
+        timed_out=run.timed_out,
+        killed_reason=run.killed_reason,
+        gateway_connections=run.gateway_connections,
+        first_request_s=run.first_request_s,
+    )
+    if run.first_request_s is not None:
+        spans.add("first_model_request", start, at(run.first_request_s), parent="agent")
+    spans.add(
+        "grading", end, back, status=result.status, reward=result.reward,
+        grade_error=result.grade_error,
+    )  # fmt: skip
 
 
 # -- outputs ---------------------------------------------------------------------------------

@@ -72,6 +72,15 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
+def latest_step(run_dir: Path) -> int | None:
+    """The step of ``run_dir``'s latest complete checkpoint, or None when it has none (read
+    from its ``state.json`` alone: no weights are loaded)."""
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        return None
+    return TrainerState(**json.loads((path / "state.json").read_text())).step
+
+
 def _complete(path: Path) -> bool:
     return (path / "state.json").is_file()
 

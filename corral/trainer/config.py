@@ -33,7 +33,7 @@ class ModelSettings(_Section):
     torchrun: ``tensor_parallel`` ranks per replica, and ``collective_timeout_s`` for the
     training collectives (None: torch's and megatron's defaults, 10 and 30 minutes under NCCL;
     megatron's groups take it in whole minutes); ranks waiting for the leader's next command
-    are not bound by it (``corral.trainer.megatron_cpu``)."""
+    are not bound by it (``corral.trainer.megatron_runtime``)."""
 
     path: Path | None = None
     device: Literal["cpu", "cuda"] = "cpu"
@@ -48,8 +48,9 @@ class EnvSettings(_Section):
     process, or with ``processes`` in a child process (``corral serve``) whose CPU work then
     runs beside the trainer's instead of sharing its interpreter."""
 
-    # The gridsim bundle of this checkout (what `corral run` serves) unless given.
-    bundle: Path = Path(__file__).resolve().parents[2] / "bundles" / "gridsim"
+    # None: the gridsim bundle of corral's checkout (what `corral run` serves), found only when
+    # this run serves it (:meth:`bundle_folder`): a run against [env] url needs none.
+    bundle: Path | None = None
     url: str | None = None
     token_var: str | None = None
     sandbox: str | None = "local"
@@ -65,6 +66,15 @@ class EnvSettings(_Section):
         if self.processes and self.url is not None:
             raise ValueError("[env] processes serves the bundle; it does not go with url")
         return self
+
+    def bundle_folder(self) -> Path:
+        """The bundle this run serves: ``bundle``, else the checkout's gridsim
+        (:func:`corral.bundled.gridsim_bundle`, BundledMissing for an installed package)."""
+        if self.bundle is not None:
+            return self.bundle
+        from corral.bundled import gridsim_bundle
+
+        return gridsim_bundle()
 
 
 class EngineSettings(_Section):
@@ -189,7 +199,10 @@ class ScheduleSettings(_Section):
     first step and after the last when it is on). ``eval_limit`` caps the eval rows used.
     ``time_limit`` (seconds, from when this process starts stepping): the run ends early, as
     it would after its last step (a checkpoint, an evaluation), once another step and an
-    evaluation would not fit; running it again resumes towards ``steps``."""
+    evaluation would not fit; running it again resumes towards ``steps``. ``rollouts_every``:
+    every that many updates, the rollouts the update trained on (episodes, samples, traces)
+    are kept under ``rollouts/update-NNNNNN/`` for ``corral view`` (0: never), the newest
+    ``keep_rollouts`` of them (0: all; :mod:`corral.trainer.rollout_log`)."""
 
     steps: int = Field(default=10, ge=0)
     time_limit: float | None = Field(default=None, gt=0)
@@ -198,6 +211,8 @@ class ScheduleSettings(_Section):
     eval_temperature: float = Field(default=0.0, ge=0)
     checkpoint_every: int = Field(default=5, ge=0)
     keep_checkpoints: int = Field(default=2, ge=1)
+    rollouts_every: int = Field(default=1, ge=0)
+    keep_rollouts: int = Field(default=20, ge=0)
 
 
 class RaySettings(_Section):
@@ -371,3 +386,12 @@ class SftConfig(_Section):
     checkpoint_every: int = Field(default=0, ge=0)
     keep_checkpoints: int = Field(default=2, ge=1)
     tensorboard: bool = True
+
+
+def model_path(config: TrainConfig | SftConfig) -> Path:
+    """The policy's Hugging Face folder: the configured one, or the cached tiny model."""
+    if config.model.path is not None:
+        return config.model.path
+    from corral.engines.tiny_model import cached_tiny_model
+
+    return cached_tiny_model()

@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 import torch
 
-from corral.trainer.megatron_cpu import on_device
+from corral.trainer.megatron_runtime import on_device
 from corral.trainer.model import ModelSpec, build_model, check_tensor_parallel, padded_vocab_size
 
 if TYPE_CHECKING:
@@ -430,7 +430,7 @@ def load_hf_checkpoint(
     under tensor parallelism, this rank's shard (every rank reads the folder and keeps its
     own; every rank of the world calls this).
 
-    Needs ``corral.trainer.megatron_cpu.setup`` first. ``dtype`` defaults to the checkpoint's.
+    Needs ``corral.trainer.megatron_runtime.setup`` first. ``dtype`` defaults to the checkpoint's.
     Raises ``UnsupportedModelError`` for an architecture ``ModelSpec`` refuses or one that does
     not split over the tensor-parallel ranks, ``ConversionError`` for weights that do not fit
     the config, ``FileNotFoundError`` without safetensors files.

@@ -7,14 +7,21 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from corral.trainer.config import TrainConfig
 
 
-def train(config: Any, console: Any) -> list[dict[str, Any]]:
+def train(config: TrainConfig, console: Console | None) -> list[dict[str, Any]]:
     """Run ``config`` here (every rank under torchrun), or as a Ray task on ``[ray] address``,
     and return the leader's metrics lines."""
+    # Imported here, not at the top: the CLI imports this module for every command, and the
+    # trainer's modules load torch.
+    from corral.trainer.config import model_path
     from corral.trainer.loop import Trainer
-    from corral.trainer.services import model_path
 
     if config.ray.address is not None:
         from corral.trainer.ray_cluster import connect, run_on_ray
@@ -29,7 +36,7 @@ def train(config: Any, console: Any) -> list[dict[str, Any]]:
     return run_training(config, console)
 
 
-def run_training(config: Any, console: Any | None) -> list[dict[str, Any]]:
+def run_training(config: TrainConfig, console: Console | None) -> list[dict[str, Any]]:
     """The leader: start the run's services, train with a progress display (one bar for the
     steps, one for the episodes of the current fill or evaluation, a line per step)."""
     from rich.progress import Progress

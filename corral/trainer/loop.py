@@ -12,7 +12,9 @@ One step (``step`` counts updates done):
    (:mod:`corral.trainer.weights`);
 4. a metrics line (:mod:`corral.trainer.metrics`), a checkpoint every ``checkpoint_every``
    steps and after the last (:mod:`corral.trainer.checkpoint`), and an evaluation on the eval
-   rows before the first step, every ``eval_every`` steps and after the last.
+   rows before the first step, every ``eval_every`` steps and after the last
+   (:mod:`corral.trainer.schedule` says when each is due; :mod:`corral.trainer.training_run`
+   holds what the RL and SFT runs share around their steps).
 
 With ``rollout.overlap`` the next step's rollouts are played while this step trains (off-policy
 by one: they start under the weights before this update; the engine swaps weights when the push
@@ -40,19 +42,13 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-
 from corral.gateway.client import GatewayAdmin
 from corral.rollouts.evals import EvalReport, run_eval, write_eval
 from corral.rollouts.harness_play import HarnessPlayer
 from corral.rollouts.player import Player, Rollout
 from corral.rollouts.rows import Row
-from corral.trainer.checkpoint import (
-    TrainerState,
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
+from corral.rollouts.traces import TraceSink
+from corral.trainer.checkpoint import TrainerState
 from corral.trainer.config import TrainConfig
 from corral.trainer.groups import (
     DROP_ABORTED,
@@ -64,37 +60,32 @@ from corral.trainer.groups import (
     Group,
     fill_batch,
 )
-from corral.trainer.metrics import MetricsWriter, peak_memory_gb, reset_peak_memory
-from corral.trainer.rollouts import GroupDraw, RowSampler
-from corral.trainer.step import UpdateSettings, adamw, policy_update, scheduled_lr, set_lr
+from corral.trainer.megatron_runtime import Runtime
+from corral.trainer.metrics import peak_memory_gb, reset_peak_memory
+from corral.trainer.rollout_log import RolloutLog
+from corral.trainer.rollouts import GroupDraw
+from corral.trainer.sampling import RowSampler
+from corral.trainer.schedule import Checkpointing, Evaluation, TimeBudget
+from corral.trainer.step import UpdateSettings, policy_update, scheduled_lr, set_lr
+from corral.trainer.training_run import (
+    OnLine,
+    Policy,
+    RunLog,
+    load_model,
+    megatron_world,
+    write_run_config,
+)
 from corral.trainer.weights import FollowerWeightSync, WeightSync
 
 if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+
     from corral.trainer.ray_cluster import RayGroupDraw
+    from corral.trainer.services import Services
 
 log = logging.getLogger(__name__)
 
 INITIAL_VERSION = "step-0"
-
-
-@dataclass(frozen=True)
-class Services:
-    """What the loop talks to, already running: the gateway (and its admin token), the rows
-    (from the env servers the rows name), and the way weights reach the engines.
-    ``eval_groups``/``group_by``: each eval task's group, for per-group eval means."""
-
-    gateway: str
-    admin_token: str | None
-    train_rows: list[Row]
-    eval_rows: list[Row]
-    weight_sync: WeightSync
-    model_path: Path
-    eval_groups: dict[str, str] | None = None
-    group_by: str | None = None
-    # On Ray: the rollout-worker actors that play the rollouts, and the env servers to spread
-    # the rows over (corral.trainer.ray_cluster); without workers the loop plays them here.
-    rollout_workers: Sequence[Any] = ()
-    env_urls: Sequence[str] = ()
 
 
 # Called with (kind, done, total) as rollouts and eval episodes end, for a progress display.
@@ -118,7 +109,7 @@ class Trainer:
         *,
         model_path: Path | None = None,
         progress: Progress | None = None,
-        on_line: Callable[[dict[str, Any]], None] | None = None,
+        on_line: OnLine | None = None,
     ) -> None:
         if services is not None and not services.train_rows:
             raise ValueError("no training rows")
@@ -132,7 +123,6 @@ class Trainer:
         self._rollouts_done = 0
         self._eval_s = 0.0  # the last evaluation's wall time (what the time limit allows for)
         self.run_dir = config.run_dir
-        self.lines: list[dict[str, Any]] = []
 
     async def run(self) -> list[dict[str, Any]]:
         """Train until ``schedule.steps`` updates are done (resuming from the run folder's
@@ -140,19 +130,10 @@ class Trainer:
         a follower). :class:`~corral.trainer.groups.BatchUnfillable` when a step's rows cannot
         fill its batch; :class:`~corral.trainer.weights.WeightSyncError` when an engine
         refuses weights (the followers are told to stop first)."""
-        from corral.trainer import megatron_cpu
-
         cfg = self.config
-        runtime = megatron_cpu.setup(
-            cfg.model.device,
-            tensor_parallel_size=cfg.model.tensor_parallel,
-            seed=cfg.seed,
-            collective_timeout_s=cfg.model.collective_timeout_s,
-        )
-        if (runtime.rank == 0) != (self.services is not None):
-            megatron_cpu.teardown()
-            raise ValueError("rank 0 (and only rank 0) is given the services")
-        try:
+        with megatron_world(cfg.model, cfg.seed) as runtime:
+            if (runtime.rank == 0) != (self.services is not None):
+                raise ValueError("rank 0 (and only rank 0) is given the services")
             crew = await self._crew(runtime)
             if self.services is None:
                 await crew.follow()
@@ -161,18 +142,13 @@ class Trainer:
                 return await self._lead(crew, self.services)
             finally:
                 await crew.stop()
-        finally:
-            megatron_cpu.teardown()
 
-    async def _crew(self, runtime: Any) -> _Crew:
-        from corral.trainer.convert import load_hf_checkpoint
-
+    async def _crew(self, runtime: Runtime) -> _Crew:
         cfg = self.config
         assert self.model_path is not None
-        dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-        model, spec = await asyncio.to_thread(load_hf_checkpoint, self.model_path, dtype=dtype)
-        model = model.to(runtime.device)
-        optimizer = adamw(model.parameters(), cfg.optim)
+        policy = await asyncio.to_thread(
+            Policy.load, runtime, self.model_path, cfg.model, cfg.optim
+        )
         settings = UpdateSettings(
             loss=cfg.loss.loss_config(),
             normalize_std=cfg.loss.normalize_std,
@@ -180,6 +156,7 @@ class Trainer:
             temperature=cfg.rollout.temperature or 1.0,
             max_grad_norm=cfg.optim.max_grad_norm,
         )
+        sync: WeightSync
         if self.services is not None:
             sync = self.services.weight_sync
         else:
@@ -190,14 +167,15 @@ class Trainer:
         if cfg.loss.kl_coef > 0:
             # The starting weights, frozen: the KL term keeps the policy near where it began
             # (a resumed run reloads the same folder, so its reference is the same).
-            reference, _ = await asyncio.to_thread(load_hf_checkpoint, self.model_path, dtype=dtype)
-            reference = reference.to(runtime.device).eval().requires_grad_(False)
-        return _Crew(runtime, model, spec, optimizer, settings, sync, cfg, reference)
+            frozen, _ = await asyncio.to_thread(load_model, self.model_path, cfg.model, runtime)
+            reference = frozen.eval().requires_grad_(False)
+        return _Crew(policy, settings, sync, cfg, reference)
 
     async def _lead(self, crew: _Crew, svc: Services) -> list[dict[str, Any]]:
+        """The leader's run: resume, then step (evaluating when due) until the schedule's end
+        or the time limit, then the final evaluation."""
         cfg = self.config
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.json").write_text(cfg.model_dump_json(indent=2) + "\n")
+        write_run_config(self.run_dir, cfg)
         sampler = RowSampler(svc.train_rows, seed=cfg.seed)
         step, next_group, version = 0, 0, INITIAL_VERSION
         state = await crew.command(_Command("resume"))
@@ -208,116 +186,116 @@ class Trainer:
         # first rollouts must come from the weights being trained.
         await crew.command(_Command("push", version=version))
         eval_sampling = {**cfg.rollout.sampling(), "temperature": cfg.schedule.eval_temperature}
-        evaluating = bool(cfg.schedule.eval_every and svc.eval_rows)  # no eval split: no evals
-        with MetricsWriter(self.run_dir, tensorboard=cfg.tensorboard, resume_step=step) as out:
+        opened = RunLog.open(
+            self.run_dir, tensorboard=cfg.tensorboard, resume_step=step, on_line=self.on_line
+        )
+        with opened as out:
+            evaluation = Evaluation(
+                enabled=bool(cfg.schedule.eval_every and svc.eval_rows),  # no eval split: none
+                every=cfg.schedule.eval_every,
+                done=set(out.evaluated_steps),
+            )
+            rollouts = RolloutLog(
+                self.run_dir, every=cfg.schedule.rollouts_every, keep=cfg.schedule.keep_rollouts
+            )
             async with (
                 GatewayAdmin(svc.gateway, svc.admin_token) as admin,
-                self._player(admin, cfg.rollout.sampling()) as player,
+                self._player(admin, cfg.rollout.sampling(), rollouts.traces) as player,
                 self._player(admin, eval_sampling) as eval_player,
             ):
-                draw: GroupDraw | RayGroupDraw
-                if svc.rollout_workers:
-                    from corral.trainer.ray_cluster import RayGroupDraw
-
-                    draw = RayGroupDraw(
-                        svc.rollout_workers,
-                        sampler,
-                        rollouts_per_row=cfg.rollout.rollouts_per_row,
-                        seed=cfg.seed,
-                        next_group_index=next_group,
-                        env_urls=svc.env_urls,
-                    )
-                else:
-                    draw = GroupDraw(
-                        player,
-                        sampler,
-                        rollouts_per_row=cfg.rollout.rollouts_per_row,
-                        concurrency=cfg.rollout.concurrency,
-                        seed=cfg.seed,
-                        next_group_index=next_group,
-                        on_played=self._count_rollout,
-                    )
-                pending: _Fill | None = None
-                clock = _Budget(cfg.schedule.time_limit)
+                run = _Run(
+                    crew=crew,
+                    draw=self._draw(svc, player, sampler, next_group),
+                    sampler=sampler,
+                    out=out,
+                    evaluation=evaluation,
+                    checkpointing=Checkpointing(cfg.schedule.checkpoint_every),
+                    clock=TimeBudget(cfg.schedule.time_limit),
+                    rollouts=rollouts,
+                    step=step,
+                    version=version,
+                )
                 try:
-                    while step < cfg.schedule.steps:
-                        due = evaluating and step % cfg.schedule.eval_every == 0
-                        if due and step not in out.evaluated_steps:
-                            await self._evaluate(eval_player, step, version, out)
-                        fill = pending or self._start_fill(draw, sampler)
-                        pending = None
-                        waited = time.monotonic()
-                        try:
-                            filled = await fill.task
-                        except BatchUnfillable as exc:
-                            self._log_dropped(step + 1, exc.dropped_groups)
-                            raise
-                        generation_s = time.monotonic() - waited
-                        played = draw.take_played()
-                        self._log_dropped(step + 1, filled.dropped)
-                        if cfg.rollout.overlap and step + 1 < cfg.schedule.steps:
-                            pending = self._start_fill(draw, sampler)
-                        reset_peak_memory(cfg.model.device)
-                        began = time.monotonic()
-                        lr = scheduled_lr(cfg.optim, step, cfg.schedule.steps)
-                        update = await crew.command(_Command("train", groups=filled.groups, lr=lr))
-                        training_s = time.monotonic() - began
-                        step += 1
-                        version = f"step-{step}"
-                        began = time.monotonic()
-                        await crew.command(_Command("push", version=version))
-                        sync_s = time.monotonic() - began
-                        line = {
-                            "step": step,
-                            "weight_version": version,
-                            **_rollout_metrics(filled, played),
-                            **_update_metrics(update),
-                            "lr": crew.optimizer.param_groups[0]["lr"],
-                            "time/generation": generation_s,
-                            "time/training": training_s,
-                            "time/weight_sync": sync_s,
-                            "time/eval": 0.0,
-                            "time/step": generation_s + training_s + sync_s,
-                            "memory/peak_gb": peak_memory_gb(cfg.model.device),
-                        }
-                        final = step == cfg.schedule.steps or not clock.fits(
-                            line["time/step"] + (self._eval_s if evaluating else 0.0)
-                        )
-                        every = cfg.schedule.checkpoint_every
-                        if every and (step % every == 0 or final):
-                            # What the next fill starts from: if it already runs (overlap),
-                            # the place it started at, else where the sampler stands now.
-                            sampler_state, group = (
-                                pending.start
-                                if pending
-                                else (sampler.state(), draw.next_group_index)
-                            )
-                            saved = TrainerState.capture(step, sampler_state, group, version)
-                            await crew.command(_Command("checkpoint", state=saved))
-                        self._write(out, line)
-                        if final and step < cfg.schedule.steps:
-                            log.warning(
-                                "schedule.time_limit: stopping after step %d of %d; run again "
-                                "to go on",
-                                step,
-                                cfg.schedule.steps,
-                            )
+                    while run.step < cfg.schedule.steps:
+                        if evaluation.due(run.step):
+                            await self._evaluate(eval_player, run)
+                        if await self._step(run):
                             break
                 finally:
-                    if pending is not None:  # an error ended the run while a fill was running
-                        pending.task.cancel()
-                if evaluating and step not in out.evaluated_steps:
-                    await self._evaluate(eval_player, step, version, out)
-        return self.lines
+                    if run.pending is not None:  # an error ended the run while a fill ran
+                        run.pending.task.cancel()
+                if evaluation.due(run.step, final=True):
+                    await self._evaluate(eval_player, run)
+        return out.lines
+
+    async def _step(self, run: _Run) -> bool:
+        """One step (module docstring): wait for its fill (and, with overlap, start the next
+        one), train, push the weights, save a checkpoint when due, write the metrics line.
+        Returns whether it was the run's last: the schedule's, or the time limit's (the next
+        step and an evaluation would not fit)."""
+        cfg = self.config
+        steps = cfg.schedule.steps
+        fill = run.pending or self._start_fill(run.draw, run.sampler)
+        run.pending = None
+        waited = time.monotonic()
+        try:
+            filled = await fill.task
+        except BatchUnfillable as exc:
+            self._log_dropped(run.step + 1, exc.dropped_groups)
+            raise
+        generation_s = time.monotonic() - waited
+        played = run.draw.take_played()
+        self._log_dropped(run.step + 1, filled.dropped)
+        if cfg.rollout.overlap and run.step + 1 < steps:
+            run.pending = self._start_fill(run.draw, run.sampler)
+        reset_peak_memory(cfg.model.device)
+        began = time.monotonic()
+        lr = scheduled_lr(cfg.optim, run.step, steps)
+        update = await run.crew.command(_Command("train", groups=filled.groups, lr=lr))
+        training_s = time.monotonic() - began
+        run.step += 1
+        await asyncio.to_thread(run.rollouts.write, run.step, played)
+        run.version = f"step-{run.step}"
+        began = time.monotonic()
+        await run.crew.command(_Command("push", version=run.version))
+        sync_s = time.monotonic() - began
+        step_s = generation_s + training_s + sync_s
+        line = {
+            "step": run.step,
+            "weight_version": run.version,
+            **_rollout_metrics(filled, played),
+            **_update_metrics(update),
+            "lr": run.crew.policy.lr,
+            "time/generation": generation_s,
+            "time/training": training_s,
+            "time/weight_sync": sync_s,
+            "time/eval": 0.0,
+            "time/step": step_s,
+            "memory/peak_gb": peak_memory_gb(cfg.model.device),
+        }
+        eval_s = self._eval_s if run.evaluation.enabled else 0.0
+        final = run.step == steps or not run.clock.fits(step_s + eval_s)
+        if run.checkpointing.due(run.step, final):
+            await run.crew.command(_Command("checkpoint", state=run.checkpoint_state()))
+        run.out.write(line)
+        if final and run.step < steps:
+            log.warning(
+                "schedule.time_limit: stopping after step %d of %d; run again to go on",
+                run.step,
+                steps,
+            )
+        return final
 
     # -- pieces ------------------------------------------------------------------------------
 
-    def _player(self, admin: GatewayAdmin, sampling: dict[str, Any]) -> Player | HarnessPlayer:
+    def _player(
+        self, admin: GatewayAdmin, sampling: dict[str, Any], trace: TraceSink | None = None
+    ) -> Player | HarnessPlayer:
         """The episode player, or with ``[agent]`` a harness's player (the agent plays each
-        rollout in its episode's sandbox)."""
+        rollout in its episode's sandbox); every episode's spans go to ``trace``."""
         agent = self.config.agent
         if agent is None:
-            return Player(admin, sampling=sampling)
+            return Player(admin, sampling=sampling, trace=trace)
         from corral.rollouts.harness_play import make_harness
 
         harness = make_harness(
@@ -333,6 +311,37 @@ class Trainer:
             model=agent.model,
             sandbox_gateway=agent.sandbox_gateway,
             sampling=sampling,
+            trace=trace,
+        )
+
+    def _draw(
+        self,
+        svc: Services,
+        player: Player | HarnessPlayer,
+        sampler: RowSampler[Row],
+        next_group: int,
+    ) -> GroupDraw | RayGroupDraw:
+        """The fills' ``draw``: on Ray, the rollout workers play; else ``player``, here."""
+        cfg = self.config
+        if svc.rollout_workers:
+            from corral.trainer.ray_cluster import RayGroupDraw
+
+            return RayGroupDraw(
+                svc.rollout_workers,
+                sampler,
+                rollouts_per_row=cfg.rollout.rollouts_per_row,
+                seed=cfg.seed,
+                next_group_index=next_group,
+                env_urls=svc.env_urls,
+            )
+        return GroupDraw(
+            player,
+            sampler,
+            rollouts_per_row=cfg.rollout.rollouts_per_row,
+            concurrency=cfg.rollout.concurrency,
+            seed=cfg.seed,
+            next_group_index=next_group,
+            on_played=self._count_rollout,
         )
 
     def _count_rollout(self, _: Rollout) -> None:
@@ -342,7 +351,7 @@ class Trainer:
             wanted = cfg.groups_per_step * cfg.rollouts_per_row
             self.progress("rollouts", self._rollouts_done, max(wanted, self._rollouts_done))
 
-    def _start_fill(self, draw: GroupDraw | RayGroupDraw, sampler: RowSampler) -> _Fill:
+    def _start_fill(self, draw: GroupDraw | RayGroupDraw, sampler: RowSampler[Row]) -> _Fill:
         cfg = self.config.rollout
         self._rollouts_done = 0
         start = (sampler.state(), draw.next_group_index)
@@ -356,11 +365,12 @@ class Trainer:
         )
         return _Fill(task, start)
 
-    async def _evaluate(
-        self, player: Player | HarnessPlayer, step: int, version: str, out: MetricsWriter
-    ) -> EvalReport:
+    async def _evaluate(self, player: Player | HarnessPlayer, run: _Run) -> EvalReport:
+        """Evaluate the weights of ``run.step`` on the eval rows: the report in
+        ``evals/step-NNNNNN``, an eval metrics line."""
         svc, cfg = self.services, self.config
         assert svc is not None
+        step = run.step
         rows = svc.eval_rows[: cfg.schedule.eval_limit]
         total = len(rows)
         done = 0
@@ -384,7 +394,7 @@ class Trainer:
         line: dict[str, Any] = {
             "step": step,
             "kind": "eval",
-            "weight_version": version,
+            "weight_version": run.version,
             "eval/reward/mean": _num(report.overall.mean),
             "eval/reward/se": _num(report.overall.se),
             "eval/zero_share": _num(report.overall.zero_share),
@@ -395,7 +405,8 @@ class Trainer:
         for name, stats in sorted(report.groups.items()):
             line[f"eval/group/{name}"] = _num(stats.mean)
         self._eval_s = line["time/eval"]
-        self._write(out, line)
+        run.out.write(line)
+        run.evaluation.mark(step)
         return report
 
     def _log_dropped(self, step: int, dropped: Sequence[DroppedGroup]) -> None:
@@ -409,12 +420,6 @@ class Trainer:
                 record = {"step": step, "group_index": d.group.group_index, "tasks": tasks,
                           "reason": d.reason, "detail": d.detail}  # fmt: skip
                 f.write(json.dumps(record) + "\n")
-
-    def _write(self, out: MetricsWriter, line: dict[str, Any]) -> None:
-        out.write(line)
-        self.lines.append(line)
-        if self.on_line is not None:
-            self.on_line(line)
 
 
 @dataclass(frozen=True)
@@ -430,40 +435,18 @@ class _Command:
     state: TrainerState | None = None
 
 
-class _Budget:
-    """Wall time left of ``schedule.time_limit`` (None: unlimited), from when it is made."""
-
-    def __init__(self, seconds: float | None) -> None:
-        self.deadline = None if seconds is None else time.monotonic() + seconds
-
-    def fits(self, seconds: float) -> bool:
-        return self.deadline is None or time.monotonic() + seconds <= self.deadline
-
-
+@dataclass
 class _Crew:
-    """The model, its optimizer and the weight sync of one rank, and the command protocol:
-    the leader broadcasts each command and carries it out itself; a follower carries out what
-    it receives until ``stop``. At world size 1 the broadcast is a no-op."""
+    """One rank's policy (model and optimizer), its update settings, its weight sync and the
+    KL reference (``kl_coef > 0``), and the command protocol: the leader broadcasts each
+    command and carries it out itself; a follower carries out what it receives until
+    ``stop``. At world size 1 the broadcast is a no-op."""
 
-    def __init__(
-        self,
-        runtime: Any,
-        model: Any,
-        spec: Any,
-        optimizer: torch.optim.Optimizer,
-        settings: UpdateSettings,
-        sync: WeightSync,
-        config: TrainConfig,
-        reference: Any | None = None,
-    ) -> None:
-        self.runtime = runtime
-        self.model = model
-        self.spec = spec
-        self.optimizer = optimizer
-        self.settings = settings
-        self.sync = sync
-        self.config = config
-        self.reference = reference
+    policy: Policy
+    settings: UpdateSettings
+    sync: WeightSync
+    config: TrainConfig
+    reference: GPTModel | None = None
 
     async def command(self, command: _Command) -> Any:
         await self._share(command)
@@ -482,7 +465,7 @@ class _Crew:
     async def _share(self, command: _Command | None) -> _Command:
         from corral.trainer.parallel import broadcast_command
 
-        if self.runtime.world_size == 1:
+        if self.policy.runtime.world_size == 1:
             assert command is not None
             return command
         # The command channel: a follower waits here through the leader's whole rollout phase.
@@ -491,37 +474,25 @@ class _Crew:
         return shared
 
     async def _do(self, command: _Command) -> Any:
-        rt, cfg = self.runtime, self.config
+        cfg, policy = self.config, self.policy
         if command.kind == "resume":
-            path = latest_checkpoint(cfg.run_dir)
-            if path is None:
-                return None
-            state = load_checkpoint(path, self.model, self.optimizer, rank=rt.rank)
-            state.restore_rng()
-            return state
+            return policy.resume(cfg.run_dir)
         if command.kind == "push":
-            await self.sync.push(self.model, self.spec, command.version)
+            await self.sync.push(policy.model, policy.spec, command.version)
             return None
         if command.kind == "train":
-            set_lr(self.optimizer, command.lr)
+            set_lr(policy.optimizer, command.lr)
             return await asyncio.to_thread(
                 partial(policy_update, reference=self.reference),
-                self.model,
-                self.optimizer,
+                policy.model,
+                policy.optimizer,
                 list(command.groups),
                 self.settings,
             )
         if command.kind == "checkpoint":
             assert command.state is not None
             return await asyncio.to_thread(
-                save_checkpoint,
-                cfg.run_dir,
-                command.state,
-                self.model,
-                self.optimizer,
-                rank=rt.rank,
-                world_size=rt.world_size,
-                keep=cfg.schedule.keep_checkpoints,
+                policy.save, cfg.run_dir, command.state, keep=cfg.schedule.keep_checkpoints
             )
         raise ValueError(f"unknown command {command.kind!r}")
 
@@ -532,6 +503,35 @@ class _Fill:
 
     task: asyncio.Future[FilledBatch]
     start: tuple[dict[str, int], int]
+
+
+@dataclass
+class _Run:
+    """The leader's run in progress: what its steps share, and where it stands (``step``
+    updates done, the engines serving ``version``, the next step's fill already running under
+    overlap)."""
+
+    crew: _Crew
+    draw: GroupDraw | RayGroupDraw
+    sampler: RowSampler[Row]
+    out: RunLog
+    evaluation: Evaluation
+    checkpointing: Checkpointing
+    clock: TimeBudget
+    rollouts: RolloutLog
+    step: int
+    version: str
+    pending: _Fill | None = None
+
+    def checkpoint_state(self) -> TrainerState:
+        """The state a checkpoint of this step saves: what the next fill starts from. If it
+        already runs (overlap), the place it started at, else where the sampler stands now."""
+        sampler_state, group = (
+            self.pending.start
+            if self.pending
+            else (self.sampler.state(), self.draw.next_group_index)
+        )
+        return TrainerState.capture(self.step, sampler_state, group, self.version)
 
 
 def _num(value: float | None) -> float:

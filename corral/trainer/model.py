@@ -4,7 +4,7 @@
 and refuses, with ``UnsupportedModelError``, anything this module would get wrong (another
 architecture, sliding-window attention, biases Megatron cannot place, an unknown RoPE scaling).
 ``build_model`` turns a spec into a ``GPTModel`` on the device of the running
-``corral.trainer.megatron_cpu`` runtime; ``forward_logits`` is the forward pass training code
+``corral.trainer.megatron_runtime`` runtime; ``forward_logits`` is the forward pass training code
 calls. Weights in and out of Hugging Face format live in ``corral.trainer.convert``.
 
 How the families map onto megatron-core's ``TransformerConfig``:
@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 import torch
 
-from corral.trainer.megatron_cpu import on_device
+from corral.trainer.megatron_runtime import on_device
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
@@ -188,7 +188,7 @@ class ModelSpec:
             params_dtype=dtype,
             bf16=dtype == torch.bfloat16,
             fp16=dtype == torch.float16,
-            # On CPU the parameters must be created there (megatron_cpu's docstring says why).
+            # On CPU the parameters must be created there (megatron_runtime's docstring says why).
             use_cpu_initialization=device.type == "cpu",
             perform_initialization=init,
             # The default ("full") means the same but warns that it is deprecated.
@@ -227,7 +227,7 @@ def build_model(
     tensor-parallel rank's shard (module docstring), its vocabulary padded to
     ``padded_vocab_size``.
 
-    Needs ``corral.trainer.megatron_cpu.setup`` first (else ``RuntimeError``). ``init=False``
+    Needs ``corral.trainer.megatron_runtime.setup`` first (else ``RuntimeError``). ``init=False``
     leaves the parameters uninitialised, for ``convert.load_megatron_state_dict`` to fill.
     ``parallel_output=False`` (the default) gathers the vocabulary shards of the logits under
     tensor parallelism, so ``forward_logits`` always returns the full vocabulary;
@@ -236,11 +236,11 @@ def build_model(
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from corral.trainer import megatron_cpu
+    from corral.trainer import megatron_runtime
 
-    runtime = megatron_cpu.current()
+    runtime = megatron_runtime.current()
     if runtime is None:
-        raise RuntimeError("call corral.trainer.megatron_cpu.setup() before build_model()")
+        raise RuntimeError("call corral.trainer.megatron_runtime.setup() before build_model()")
     config = spec.transformer_config(device=runtime.device, dtype=dtype, init=init)
     check_tensor_parallel(spec, config.tensor_model_parallel_size)
     layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)

@@ -1,7 +1,7 @@
 """The collectives the trainer runs on top of megatron's parallel groups: the same code on CPU
 (gloo) and GPU (NCCL), and no-ops at world size 1.
 
-Layout (set up by :func:`corral.trainer.megatron_cpu.setup`): ``TP`` tensor-parallel ranks hold
+Layout (set up by :func:`corral.trainer.megatron_runtime.setup`): ``TP`` tensor-parallel ranks hold
 the shards of one model replica and see the same micro-batches; ``DP`` data-parallel replicas
 each train on their share of a step's micro-batches. What a training step needs beyond
 megatron's own layers:
@@ -33,7 +33,7 @@ from typing import Any, Final, TypeVar
 
 import torch
 
-from corral.trainer.megatron_cpu import on_device
+from corral.trainer.megatron_runtime import on_device
 
 __all__ = [
     "barrier",
@@ -117,11 +117,11 @@ def broadcast_objects(obj: T, *, group: Any = None) -> T:
 
 def broadcast_command(obj: T) -> T:
     """:func:`broadcast_objects` for what a rank may wait long for (the leader's next command,
-    sent after a rollout phase of any length): over ``megatron_cpu.command_group``, gloo with a
+    sent after a rollout phase of any length): over ``megatron_runtime.command_group``, gloo with a
     day's timeout, not the training collectives' group and timeout."""
-    from corral.trainer import megatron_cpu
+    from corral.trainer import megatron_runtime
 
-    return broadcast_objects(obj, group=megatron_cpu.command_group())
+    return broadcast_objects(obj, group=megatron_runtime.command_group())
 
 
 @on_device

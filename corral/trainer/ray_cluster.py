@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from corral.envs.settings import ServeSettings
 from corral.trainer.groups import Group
 
 if TYPE_CHECKING:
@@ -138,28 +139,27 @@ def _actor_options(num_cpus: float | None, spread: bool) -> dict[str, Any]:
 
 
 class EnvServerActor:
-    """Ray actor (made remote by :func:`start_env_servers`): serves ``bundle`` with
-    :func:`~corral.envs.server.build_app` through uvicorn in a thread of the actor's process,
-    bound to ``host`` (every interface by default), until :meth:`stop`. Its URL names the
-    node's IP (``ray.util.get_node_ip_address``), so other nodes reach it."""
+    """Ray actor (made remote by :func:`start_env_servers`): serves ``settings`` (its bundle
+    folder, with :func:`~corral.stack.env_server.env_server_in_thread`) through uvicorn in a
+    thread of the actor's process, bound to ``host`` (every interface by default), until
+    :meth:`stop`. Its URL names the node's IP (``ray.util.get_node_ip_address``), so other
+    nodes reach it. ``token`` is handed over as is: the node's environment is its raylet's,
+    not the driver's."""
 
     def __init__(
         self,
-        bundle: str,
+        settings: ServeSettings,
         *,
         token: str | None = None,
-        sandbox: str | None = None,
         host: str = "0.0.0.0",
         port: int | None = None,
-        app_options: dict[str, Any] | None = None,
     ) -> None:
+        from corral.stack.env_server import env_server_in_thread
 
-        from corral.envs.server import build_app
-        from corral.serving import serve_in_thread
-
-        app = build_app(bundle, token=token, sandbox=sandbox, **(app_options or {}))
         self._stack = contextlib.ExitStack()
-        bound = self._stack.enter_context(serve_in_thread(app, host=host, port=port))
+        bound = self._stack.enter_context(
+            env_server_in_thread(settings, token=token, host=host, port=port)
+        )
         self._port = int(bound.rsplit(":", 1)[1])
         self._ip = node_ip() if host in ("0.0.0.0", "::") else host
 
@@ -211,8 +211,10 @@ def start_env_servers(
     every node; made absolute here), placed with Ray's ``SPREAD`` strategy unless ``spread`` is
     false. ``sandbox``: the backend name each episode runs in (``build_app``'s ``sandbox``);
     ``token``: the bearer token every route but ``/health`` requires; ``app_options``: more
-    ``build_app`` keywords (``max_concurrent_envs``, ``sandbox_image``, ``warm_sandboxes``,
-    timeouts). ``num_cpus``: each actor's CPUs (Ray's actor default: none held).
+    :class:`~corral.envs.settings.ServeSettings` fields, the ``build_app`` keywords of the same
+    names (``max_concurrent_envs``, ``sandbox_image``, ``warm_sandboxes``, timeouts; a None one
+    keeps the server's default; TypeError for another name). ``num_cpus``: each actor's CPUs
+    (Ray's actor default: none held).
 
     Returns once every server listens. RuntimeError naming the server that failed to start
     (a bad bundle, a sandbox backend missing on its node), or the ones not placed within
@@ -221,13 +223,10 @@ def start_env_servers(
     if n < 1:
         raise ValueError(f"n must be at least 1, not {n}")
     ray = _ray()
+    settings = ServeSettings(bundle=Path(bundle).absolute(), sandbox=sandbox, **app_options)
     remote = ray.remote(EnvServerActor).options(**_actor_options(num_cpus, spread))
-    path = str(Path(bundle).absolute())
     names = [f"{name_prefix}-{i}" for i in range(n)]
-    actors = [
-        remote.remote(path, token=token, sandbox=sandbox, host=host, app_options=app_options)
-        for _ in names
-    ]
+    actors = [remote.remote(settings, token=token, host=host) for _ in names]
     try:
         urls = _wait_started(
             ray, [a.url.remote() for a in actors], names, "env server", start_timeout

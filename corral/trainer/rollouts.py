@@ -1,9 +1,10 @@
 """Where a training step's groups come from: rows played with the episode player.
 
-:class:`RowSampler` hands out rows in a seeded order, epoch after epoch. :class:`GroupDraw` is
-the ``draw`` that :func:`~corral.trainer.groups.fill_batch` calls: for each of ``n`` rows it plays
-``rollouts_per_row`` rollouts through the gateway (at most ``concurrency`` at once), each with
-the row's own ``group_index``, and returns one :class:`~corral.trainer.groups.Group` per row.
+:class:`GroupDraw` is the ``draw`` that :func:`~corral.trainer.groups.fill_batch` calls: for
+each of ``n`` rows (taken from a :class:`~corral.trainer.sampling.RowSampler`, in its seeded
+order) it plays ``rollouts_per_row`` rollouts through the gateway (at most ``concurrency`` at
+once), each with the row's own ``group_index``, and returns one
+:class:`~corral.trainer.groups.Group` per row.
 The player may be a :class:`~corral.rollouts.harness_play.HarnessPlayer` (``[agent]``: a
 black-box agent plays each rollout in its episode's sandbox); its rollouts are counted,
 filtered and trained on like the episode player's.
@@ -16,54 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import random
-from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 from corral.rollouts.harness_play import HarnessPlayer
 from corral.rollouts.player import Player, Rollout
 from corral.rollouts.rows import Row
 from corral.trainer.groups import Group
-
-T = TypeVar("T")
-
-
-class RowSampler(Generic[T]):
-    """Rows (or any items: SFT takes conversations) in a seeded random order, reshuffled every
-    epoch. Its position (``epoch``, ``offset``) is all a resumed run needs to continue the
-    same sequence."""
-
-    def __init__(self, rows: Sequence[T], *, seed: int = 0) -> None:
-        if not rows:
-            raise ValueError("no rows to train on")
-        self.rows = list(rows)
-        self.seed = seed
-        self.epoch = 0
-        self.offset = 0
-        self._order = self._shuffled(0)
-
-    def _shuffled(self, epoch: int) -> list[int]:
-        order = list(range(len(self.rows)))
-        random.Random(f"{self.seed}/{epoch}").shuffle(order)
-        return order
-
-    def take(self, n: int) -> list[T]:
-        """The next ``n`` rows (crossing into the next epoch when this one runs out)."""
-        out = []
-        for _ in range(n):
-            if self.offset == len(self._order):
-                self.epoch, self.offset = self.epoch + 1, 0
-                self._order = self._shuffled(self.epoch)
-            out.append(self.rows[self._order[self.offset]])
-            self.offset += 1
-        return out
-
-    def state(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "offset": self.offset}
-
-    def restore(self, state: dict[str, int]) -> None:
-        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
-        self._order = self._shuffled(self.epoch)
+from corral.trainer.sampling import RowSampler
 
 
 class GroupDraw:

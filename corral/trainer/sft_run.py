@@ -19,40 +19,28 @@ takes part in gathering the final folder.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
-from collections.abc import Callable
 from typing import Any
 
-import torch
-
-from corral.trainer.checkpoint import (
-    TrainerState,
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
-from corral.trainer.config import SftConfig
-from corral.trainer.metrics import MetricsWriter, peak_memory_gb, reset_peak_memory
-from corral.trainer.rollouts import RowSampler
-from corral.trainer.step import adamw, scheduled_lr, set_lr
+from corral.trainer.checkpoint import TrainerState
+from corral.trainer.config import SftConfig, model_path
+from corral.trainer.metrics import peak_memory_gb, reset_peak_memory
+from corral.trainer.sampling import RowSampler
+from corral.trainer.schedule import Checkpointing, Evaluation
+from corral.trainer.step import scheduled_lr, set_lr
+from corral.trainer.training_run import OnLine, Policy, RunLog, megatron_world, write_run_config
 
 
-def run_sft(
-    config: SftConfig,
-    *,
-    on_line: Callable[[dict[str, Any]], None] | None = None,
-) -> list[dict[str, Any]]:
+def run_sft(config: SftConfig, *, on_line: OnLine | None = None) -> list[dict[str, Any]]:
     """Run ``config`` (module docstring), resuming from the run folder's latest checkpoint, and
     return the metrics lines written (none on a rank other than 0). ValueError for data that
     cannot be trained on (a bad line, a conversation the template renders unstably, one over
     ``max_tokens``), naming it."""
     from transformers import AutoTokenizer
 
-    from corral.trainer import megatron_cpu, parallel
-    from corral.trainer.convert import load_hf_checkpoint, save_hf_checkpoint
-    from corral.trainer.services import model_path
+    from corral.trainer import parallel
+    from corral.trainer.convert import save_hf_checkpoint
     from corral.trainer.sft import (
         SftSettings,
         read_chat_examples,
@@ -80,57 +68,39 @@ def run_sft(
         pad_id=int(tokenizer.pad_token_id or 0),
     )
     device = config.model.device
-    runtime = megatron_cpu.setup(
-        device,
-        tensor_parallel_size=config.model.tensor_parallel,
-        seed=config.seed,
-        collective_timeout_s=config.model.collective_timeout_s,
-    )
-    leader = runtime.rank == 0
-    lines: list[dict[str, Any]] = []
-    try:
-        dtype = torch.bfloat16 if config.model.dtype == "bfloat16" else torch.float32
-        model, spec = load_hf_checkpoint(path, dtype=dtype)
-        model = model.to(runtime.device)
-        optimizer = adamw(model.parameters(), config.optim)
+    with megatron_world(config.model, config.seed) as runtime:
+        leader = runtime.rank == 0
+        policy = Policy.load(runtime, path, config.model, config.optim)
+        model, optimizer = policy.model, policy.optimizer
         sampler = RowSampler(train, seed=config.seed)  # any sequence: a seeded epoch order
         step = 0
-        resumed = latest_checkpoint(config.run_dir)
-        if resumed is not None:
-            state = load_checkpoint(resumed, model, optimizer, rank=runtime.rank)
-            state.restore_rng()
+        state = policy.resume(config.run_dir)
+        if state is not None:
             sampler.restore(state.sampler)
             step = state.step
         if leader:
-            config.run_dir.mkdir(parents=True, exist_ok=True)
-            (config.run_dir / "config.json").write_text(config.model_dump_json(indent=2) + "\n")
-        opened = (
-            MetricsWriter(config.run_dir, tensorboard=config.tensorboard, resume_step=step)
-            if leader
-            else contextlib.nullcontext()
+            write_run_config(config.run_dir, config)
+        checkpointing = Checkpointing(config.checkpoint_every)
+        opened = RunLog.open(
+            config.run_dir,
+            tensorboard=config.tensorboard,
+            resume_step=step,
+            on_line=on_line,
+            leader=leader,
         )
-        with opened as writer:
-
-            def emit(line: dict[str, Any]) -> None:
-                if writer is None:
-                    return
-                writer.write(line)
-                lines.append(line)
-                if on_line is not None:
-                    on_line(line)
+        with opened as log:
+            # Evaluations are collective: every rank must agree on which are still to do.
+            done = parallel.broadcast_objects(log.evaluated_steps)
+            evaluation = Evaluation(enabled=bool(evals), every=config.eval_every, done=set(done))
 
             def evaluate() -> None:
                 result = sft_eval_loss(model, evals, settings)
-                evaluated.add(step)
-                emit({"step": step, "kind": "eval", "eval/loss": result["loss"],
-                      "eval/accuracy": result["accuracy"]})  # fmt: skip
+                evaluation.mark(step)
+                log.write({"step": step, "kind": "eval", "eval/loss": result["loss"],
+                           "eval/accuracy": result["accuracy"]})  # fmt: skip
 
-            # Evaluations are collective: every rank must agree on which are still to do.
-            shared = parallel.broadcast_objects(writer.evaluated_steps if writer else None)
-            evaluated = set(shared or ())
             # The start, or a resumed step whose evaluation a crash cut off after its checkpoint.
-            due = step == 0 or bool(config.eval_every and step % config.eval_every == 0)
-            if evals and due and step not in evaluated:
+            if evaluation.due(step):
                 evaluate()
             while step < total:
                 batch = sampler.take(config.batch_size)
@@ -139,31 +109,20 @@ def run_sft(
                 set_lr(optimizer, scheduled_lr(config.optim, step, total))
                 result = sft_update(model, optimizer, batch, settings)
                 step += 1
-                emit({
+                log.write({
                     "step": step,
                     "epoch": step / steps_per_epoch,
                     **result,
-                    "lr": optimizer.param_groups[0]["lr"],
+                    "lr": policy.lr,
                     "time/training": time.monotonic() - began,
                     "memory/peak_gb": peak_memory_gb(device),
                 })  # fmt: skip
-                every = config.checkpoint_every
-                if every and (step % every == 0 or step == total):
+                if checkpointing.due(step, final=step == total):
                     state = TrainerState.capture(step, sampler.state(), 0, f"sft-{step}")
-                    save_checkpoint(
-                        config.run_dir,
-                        state,
-                        model,
-                        optimizer,
-                        rank=runtime.rank,
-                        world_size=runtime.world_size,
-                        keep=config.keep_checkpoints,
-                    )
-                if evals and config.eval_every and step % config.eval_every == 0:
+                    policy.save(config.run_dir, state, keep=config.keep_checkpoints)
+                if evaluation.due(step):
                     evaluate()
-            if evals and step not in evaluated:
+            if evaluation.due(step, final=True):
                 evaluate()
-        save_hf_checkpoint(model, spec, config.run_dir / "model", tokenizer_from=path)
-    finally:
-        megatron_cpu.teardown()
-    return lines
+        save_hf_checkpoint(model, policy.spec, config.run_dir / "model", tokenizer_from=path)
+    return log.lines

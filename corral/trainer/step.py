@@ -6,7 +6,7 @@ micro-batch before one optimizer step: the losses are normalised per step (see
 :mod:`corral.trainer.losses`), so the summed micro-batch gradients are exactly the step's.
 The weights reach the engines through :mod:`corral.trainer.weights`.
 
-Parallel (``corral.trainer.megatron_cpu.setup`` with a world of several ranks): every rank
+Parallel (``corral.trainer.megatron_runtime.setup`` with a world of several ranks): every rank
 calls :func:`policy_update` with the same groups (share them with
 :func:`corral.trainer.parallel.broadcast_objects`). Every rank packs the whole step's
 micro-batches the same way; each data-parallel replica trains on its share of them, balanced
@@ -35,7 +35,7 @@ from corral.trainer.batches import batch_token_stats, build_train_samples, pack_
 from corral.trainer.config import OptimSettings
 from corral.trainer.groups import Group
 from corral.trainer.losses import LossConfig, batch_policy_loss, grpo_advantages
-from corral.trainer.megatron_cpu import on_device
+from corral.trainer.megatron_runtime import on_device
 
 
 def adamw(params: Any, optim: OptimSettings) -> torch.optim.AdamW:

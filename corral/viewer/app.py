@@ -15,7 +15,8 @@ Routes (``{set}``: an episode set's id, ``{line}``: an episode's line in it):
 - ``GET /api/episodes/{set}/{line}``: one episode;
 - ``GET /api/episodes/{set}/{line}/samples/{n}``: one sample, token by token;
 - ``GET /api/compare?a={set}&b={set}``: paired reward differences;
-- ``GET /api/gateway/sessions/{id}`` and ``.../samples/{n}``: a live gateway's session.
+- ``GET /api/gateway/sessions``: a live gateway's open sessions (the newest first);
+  ``GET /api/gateway/sessions/{id}`` and ``.../samples/{n}``: one session.
 """
 
 from __future__ import annotations
@@ -138,6 +139,11 @@ def create_app(state: ViewerState, *, allowed_hosts: Sequence[str] = LOOPBACK_HO
         b = state.set_of(request.query_params.get("b", ""))
         return reader.compare_sets(a, b)
 
+    async def gateway_sessions(_: Request) -> Any:
+        if state.gateway is None:
+            raise ViewerError("the viewer was not given a gateway")
+        return await state.gateway.sessions()
+
     async def gateway_session(request: Request) -> Any:
         if state.gateway is None:
             raise ViewerError("the viewer was not given a gateway")
@@ -162,6 +168,7 @@ def create_app(state: ViewerState, *, allowed_hosts: Sequence[str] = LOOPBACK_HO
         Route("/api/episodes/{set}/" + int_ % "line", api(episode)),
         Route("/api/episodes/{set}/" + int_ % "line" + "/samples/" + int_ % "n", api(sample)),
         Route("/api/compare", api(compare)),
+        Route("/api/gateway/sessions", api(gateway_sessions)),
         Route("/api/gateway/sessions/{session_id}", api(gateway_session)),
         Route("/api/gateway/sessions/{session_id}/samples/" + int_ % "n", api(gateway_sample)),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),

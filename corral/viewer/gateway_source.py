@@ -1,8 +1,8 @@
 """A live gateway as a viewer source: one session at a time, by id, through its admin API.
 
-The gateway's admin API has no listing of sessions, so the page asks for a session id (the one
-a log line, a trainer's error or ``POST /sessions`` gave) and shows it as an episode: the
-conversation rebuilt from its turns, its reward or failure, its samples and every fork. The
+The page lists the gateway's open sessions (``GET /sessions``, a page at a time: the newest
+:data:`LISTED` at most) and opens one, by a click or by its id, as an episode: the conversation
+rebuilt from its turns, its reward or failure, its samples and every fork. The
 admin token is read here from the variable named on the command line and never leaves this
 process; the session view the gateway returns never holds the session's api key, and
 everything is scrubbed once more (:mod:`corral.viewer.redact`).
@@ -17,6 +17,9 @@ from corral.viewer.pieces import Pieces
 from corral.viewer.reader import sample_summary, sample_view
 from corral.viewer.redact import scrub
 
+# How many sessions the page lists (the newest; the gateway may hold up to 10,000 by default).
+LISTED = 1000
+
 
 class GatewaySourceError(Exception):
     """The gateway refused or could not be reached."""
@@ -28,6 +31,36 @@ class GatewaySource:
     def __init__(self, url: str, admin_token: str | None) -> None:
         self.url = url.rstrip("/")
         self._admin = GatewayAdmin(self.url, admin_token)
+
+    async def sessions(self) -> dict[str, Any]:
+        """The open sessions, newest first, at most :data:`LISTED`: ``{"sessions": [...],
+        "total": n}``, each a summary row (id, task id, turns, reward, failure, age)."""
+        rows: list[dict[str, Any]] = []
+        after: str | None = None
+        try:
+            while True:
+                page = await self._admin.list_sessions(limit=1000, after=after)
+                rows.extend(s.model_dump() for s in page.sessions)
+                rows = rows[-LISTED:]
+                if page.next is None:
+                    break
+                after = page.next
+        except GatewayAdminError as exc:
+            raise GatewaySourceError(str(exc)) from None
+        listed = [
+            {
+                "id": r["id"],
+                "task_id": (r["metadata"] or {}).get("task_id"),
+                "turns": r["turns"],
+                "trajectories": r["trajectories"],
+                "reward": r["reward"],
+                "failure": r["failure"],
+                "age_s": r["age_s"],
+                "closed": r["closed"],
+            }
+            for r in reversed(rows)
+        ]
+        return scrub({"sessions": listed, "total": page.total})
 
     async def session(self, session_id: str) -> dict[str, Any]:
         """The session in the shape of :func:`corral.viewer.reader.episode_detail`."""

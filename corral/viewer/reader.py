@@ -534,7 +534,8 @@ def spans_of(
                 span = json.loads(raw)
             except ValueError:
                 continue
-            if isinstance(span, dict) and _span_matches(span, summary):
+            # A line without start_s is no span (the writer's final "truncated" marker).
+            if isinstance(span, dict) and "start_s" in span and _span_matches(span, summary):
                 spans.append(_span(span))
         if spans:
             spans.sort(key=lambda s: s["start_s"])

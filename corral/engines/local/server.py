@@ -321,18 +321,10 @@ def run_engine(
     device: str = "cpu",
     max_batch_size: int = 64,
 ) -> None:
-    """Load ``model_path`` and serve it until interrupted (blocking; used by ``corral engine``)."""
-    import uvicorn
-
-    from corral.transport import TransportLimits, hardened_config
+    """Load ``model_path`` and serve it until SIGINT / SIGTERM (blocking; used by ``corral
+    engine``): :func:`corral.serving.serve_forever`, so a SIGTERM is a clean exit and a port
+    that cannot be bound raises its ``BindError``."""
+    from corral.serving import serve_forever
 
     engine = LocalEngine(model_path, device=device, max_batch_size=max_batch_size)
-    config = hardened_config(
-        build_engine_app(engine),
-        TransportLimits(),
-        host=host,
-        port=port,
-        log_level="info",
-        access_log=False,
-    )
-    uvicorn.Server(config).run()
+    serve_forever(build_engine_app(engine), host=host, port=port)

@@ -107,7 +107,7 @@ async function route() {
 
 async function viewRuns() {
   const nodes = [];
-  if (state.info.gateway) nodes.push(gatewayBox());
+  if (state.info.gateway) nodes.push(await gatewayBox());
   for (const source of state.info.sources) {
     const card = el("section", { class: "card" },
       el("h2", { text: `${source.kind} ${source.name}` }),
@@ -122,14 +122,37 @@ async function viewRuns() {
   show(...nodes);
 }
 
-function gatewayBox() {
+async function gatewayBox() {
   const input = el("input", { id: "session-id", placeholder: "session id", size: 40 });
   const go = () => { if (input.value.trim()) location.hash = `#/session/${encodeURIComponent(input.value.trim())}`; };
   input.addEventListener("keydown", (e) => { if (e.key === "Enter") go(); });
-  return el("section", { class: "card" },
+  const card = el("section", { class: "card" },
     el("h2", { text: `gateway ${state.info.gateway}` }),
-    el("p", { class: "muted", text: "The gateway lists no sessions: open one by its id." }),
     input, " ", el("button", { onclick: go, text: "open" }));
+  let listed;
+  try {
+    listed = await getJSON("/api/gateway/sessions");
+  } catch (error) {
+    card.append(el("p", { class: "error", text: `the gateway did not list its sessions: ${error.message}` }));
+    return card;
+  }
+  const shown = listed.sessions.length;
+  card.append(el("p", { id: "session-count", class: "muted",
+    text: `${listed.total} open session(s)${shown < listed.total ? `, the newest ${shown} listed` : ""}` }));
+  const table = el("table", { id: "sessions" },
+    el("tr", {}, ...["session", "task", "turns", "trajectories", "reward", "age"].map((h) => el("th", { text: h }))));
+  for (const s of listed.sessions) {
+    const reward = s.failure !== null
+      ? el("span", { class: "failed", title: s.failure, text: "failed" })
+      : el("span", { text: s.reward === null ? "-" : Number(s.reward).toFixed(3) });
+    table.append(el("tr", { class: "session-row" },
+      el("td", {}, el("a", { href: `#/session/${encodeURIComponent(s.id)}`, text: s.id })),
+      el("td", { text: s.task_id === null || s.task_id === undefined ? "" : String(s.task_id) }),
+      el("td", { text: String(s.turns) }), el("td", { text: String(s.trajectories) }),
+      el("td", {}, reward), el("td", { text: `${Math.round(s.age_s)} s` })));
+  }
+  card.append(table);
+  return card;
 }
 
 function setsTable(source) {

@@ -3,13 +3,13 @@
 Everything corral does to make megatron-core run without a GPU lives here, so that the rest of
 the trainer is the same code on both::
 
-    from corral.trainer import megatron_cpu
+    from corral.trainer import megatron_runtime
 
-    runtime = megatron_cpu.setup("cpu")  # or "cuda"; idempotent
+    runtime = megatron_runtime.setup("cpu")  # or "cuda"; idempotent
     ...  # build a GPTModel, train
-    megatron_cpu.teardown()
+    megatron_runtime.teardown()
 
-or ``with megatron_cpu.runtime("cpu") as rt: ...``.
+or ``with megatron_runtime.runtime("cpu") as rt: ...``.
 
 ``setup`` brings up ``torch.distributed`` (unless the caller already has: then that group is
 used and left alone), then megatron's model-parallel groups (``initialize_model_parallel``).
@@ -482,7 +482,7 @@ def _rebind_current_device() -> list[tuple[types.ModuleType, Any]]:
         if original is not torch:
             raise RuntimeError(
                 f"{name}.torch is {original!r}, not the torch module: megatron changed; "
-                "revisit corral.trainer.megatron_cpu"
+                "revisit corral.trainer.megatron_runtime"
             )
         module.torch = _TORCH_ON_CPU
         rebound.append((module, original))

@@ -1,4 +1,4 @@
-"""The embedded stack: the local engine and the gateway, in this process, on 127.0.0.1.
+"""The embedded stack: the local engine and the gateway, in this process.
 
 What ``corral run`` starts on embedded defaults, and what tests and benchmarks use to get a
 real gateway in front of a real engine without launching processes.
@@ -12,7 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from corral.serving import serve_in_thread
+from corral.engines.local.settings import MAX_BATCH_SIZE, EngineDevice, EngineSettings
+from corral.gateway.launch import GatewayLaunch
+from corral.stack.engine import engine_in_thread
+from corral.stack.gateway import gateway_in_thread
 
 if TYPE_CHECKING:
     from corral.engines.local.engine import LocalEngine
@@ -32,10 +35,10 @@ class StackURLs:
 def local_stack(
     model_path: str | Path,
     *,
-    device: str = "cpu",
+    device: EngineDevice = "cpu",
     admin_token: str | None = None,
     gateway_host: str = "127.0.0.1",
-    max_batch_size: int = 64,
+    max_batch_size: int = MAX_BATCH_SIZE,
     **gateway_overrides: Any,
 ) -> Iterator[StackURLs]:
     """Serve ``model_path`` with the local engine and a gateway in front of it.
@@ -46,15 +49,19 @@ def local_stack(
     :class:`~corral.gateway.settings.GatewaySettings` fields
     (e.g. ``tool_call_parser``, ``reasoning_parser``). Both servers stop when the block exits.
     """
-    from corral.engines.local.engine import LocalEngine
-    from corral.engines.local.server import build_engine_app
-    from corral.gateway.server import create_gateway
-
+    model = Path(model_path)
     with ExitStack() as stack:
-        engine = LocalEngine(model_path, device=device, max_batch_size=max_batch_size)
-        engine_url = stack.enter_context(serve_in_thread(build_engine_app(engine)))
-        gateway = create_gateway(
-            engine_url, model_path, admin_token=admin_token, **gateway_overrides
+        served = stack.enter_context(
+            engine_in_thread(
+                EngineSettings(model=model, device=device, max_batch_size=max_batch_size)
+            )
         )
-        gateway_url = stack.enter_context(serve_in_thread(gateway, host=gateway_host))
-        yield StackURLs(engine=engine_url, gateway=gateway_url, local_engine=engine)
+        gateway = stack.enter_context(
+            gateway_in_thread(
+                GatewayLaunch(engine_url=served.url, model=model),
+                admin_token=admin_token,
+                host=gateway_host,
+                **gateway_overrides,
+            )
+        )
+        yield StackURLs(engine=served.url, gateway=gateway, local_engine=served.engine)
