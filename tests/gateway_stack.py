@@ -26,6 +26,7 @@ from corral.gateway.app import build_gateway_app
 from corral.gateway.pipeline import TurnPipeline
 from corral.gateway.server import model_context_length
 from corral.gateway.settings import GatewaySettings
+from corral.transport import TransportLimits
 from tests.scripted_engine import ScriptedEngine
 from tests.servers import serve
 
@@ -186,8 +187,14 @@ class ScriptedStack(Admin):
 
 @contextmanager
 def scripted_gateway(
-    tiny_model_dir: Path, *, model_name: str = "tiny", context: int = 262_144
+    tiny_model_dir: Path,
+    *,
+    model_name: str = "tiny",
+    context: int = 262_144,
+    limits: TransportLimits | None = None,
 ) -> Iterator[ScriptedStack]:
+    """A gateway in front of the scripted engine; ``limits``: its transport limits (default:
+    corral's own)."""
     tokenizer: Any = AutoTokenizer.from_pretrained(str(tiny_model_dir))
 
     def decode(ids: list[int]) -> str:
@@ -202,5 +209,5 @@ def scripted_gateway(
     with serve(engine.app) as engine_url:
         client = SGLangClient(engine_url, timeout=60, retries=0)
         pipeline = TurnPipeline(settings, client, tokenizer)
-        with serve(build_gateway_app(settings, client, pipeline)) as url:
+        with serve(build_gateway_app(settings, client, pipeline), limits=limits) as url:
             yield ScriptedStack(url=url, engine=engine, tokenizer=tokenizer)

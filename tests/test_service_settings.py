@@ -35,6 +35,7 @@ def engine_values(args: argparse.Namespace) -> dict[str, Any]:
         "model": Path(args.model),
         "device": args.device,
         "max_batch_size": args.max_batch_size,
+        "token_var": args.token_var,
     }
 
 
@@ -43,6 +44,7 @@ def engine_values(args: argparse.Namespace) -> dict[str, Any]:
     [
         EngineSettings(model=Path("/m/tiny")),
         EngineSettings(model=Path("/m/tiny"), device="cuda", max_batch_size=3),
+        EngineSettings(model=Path("/m/tiny"), token_var="ENGINE_TOKEN"),
     ],
 )
 def test_engine_settings_round_trip_through_corral_engine(settings: EngineSettings) -> None:
@@ -71,6 +73,7 @@ def gateway_values(args: argparse.Namespace) -> dict[str, Any]:
         "model": Path(args.model),
         "engine_api": args.engine_api,
         "admin_token_var": args.admin_token_var,
+        "engine_token_var": args.engine_token_var,
         "tool_call_parser": args.tool_call_parser,
         "reasoning_parser": args.reasoning_parser,
         "chat_template_kwargs": args.chat_template_kwargs,
@@ -92,6 +95,7 @@ def gateway_values(args: argparse.Namespace) -> dict[str, Any]:
             model=Path("/m/tiny"),
             engine_api="vllm",
             admin_token_var="ADMIN",
+            engine_token_var="ENGINE",
             tool_call_parser="hermes",
             reasoning_parser="qwen3",
             chat_template_kwargs={"enable_thinking": False, "depth": [1, "x"]},

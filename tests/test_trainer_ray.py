@@ -6,6 +6,7 @@ function run as a Ray task."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -200,9 +201,21 @@ def test_corral_train_on_ray_places_trainer_env_server_and_workers(
     )
     lines = train(config, Console(quiet=True))
     (line,) = lines
+    # The config names no env token: the env server on the node's address got a fresh one,
+    # and the rows name the variable that holds it.
+    from corral.trainer.services import OWN_ENV_TOKEN_VAR
+
+    rows = (tmp_path / "run" / "rows" / "all.jsonl").read_text().splitlines()
+    assert {json.loads(r)["metadata"]["env"]["token_var"] for r in rows} == {OWN_ENV_TOKEN_VAR}
     assert line["step"] == 1 and line["rollouts"] == 4 and line["groups"] == 2
     assert line["reward/mean"] == 0.5  # greedy: the ok row's rollouts 1.0, the wrong row's 0.0
     assert (tmp_path / "run" / "checkpoints" / "step-000001" / "state.json").is_file()
     # The services the task started are gone with it: only the fixture's env server lives.
     alive = [a for a in ray.util.list_named_actors(all_namespaces=True) if "corral-" in str(a)]
     assert len(alive) <= 1
+
+
+def test_env_servers_on_the_network_are_refused_without_a_token(tmp_path: Path) -> None:
+    bundle = write_weather_bundle(tmp_path / "weather", modes=("ok",))
+    with pytest.raises(ValueError, match="need a token"):
+        start_env_servers(bundle, 1)  # every interface by default

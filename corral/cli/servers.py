@@ -37,7 +37,17 @@ from corral.sandboxes.providers import BACKENDS
 
 
 def cmd_engine(args: argparse.Namespace) -> int:
-    model = model_folder(args.model)  # before torch is imported: a wrong path fails at once
+    from corral.engines.local.settings import is_loopback
+
+    # Both before torch is imported: a wrong invocation fails at once.
+    token = token_from_env(args.token_var, "--token-var")
+    if token is None and not is_loopback(args.host):
+        raise UsageError(
+            f"--host {args.host} without --token-var: anyone who reaches the port could abort "
+            "every request and swap the weights",
+            "Name the token's variable with --token-var, or listen on 127.0.0.1.",
+        )
+    model = model_folder(args.model)
     from corral.engines.local.server import run_engine
 
     with listening(args.host, args.port):
@@ -47,12 +57,14 @@ def cmd_engine(args: argparse.Namespace) -> int:
             port=args.port,
             device=args.device,
             max_batch_size=args.max_batch_size,
+            token=token,
         )
     return 0
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     admin_token = token_from_env(args.admin_token_var, "--admin-token-var")
+    engine_token = token_from_env(args.engine_token_var, "--engine-token-var")
     model = model_folder(args.model)
     if admin_token is None:  # warned only once nothing stops the gateway from starting
         token_from_env(
@@ -67,6 +79,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         args.engine_url,
         model,
         engine_api=args.engine_api,
+        engine_token=engine_token,
         admin_token=admin_token,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
@@ -166,6 +179,12 @@ def _add_engine(sub: Any) -> None:
     engine.add_argument(
         "--max-batch-size", type=int, default=64, help="requests decoded together (the rest wait)"
     )
+    engine.add_argument(
+        "--token-var",
+        metavar="NAME",
+        help="environment variable holding the bearer token every route but /health requires "
+        "(SGLang's --api-key header); required to listen beyond loopback",
+    )
     engine.set_defaults(func=cmd_engine)
 
 
@@ -199,6 +218,12 @@ def _add_gateway(sub: Any) -> None:
         "--admin-token-var",
         metavar="NAME",
         help="environment variable holding the admin token for session management",
+    )
+    gateway.add_argument(
+        "--engine-token-var",
+        metavar="NAME",
+        help="environment variable holding the engines' bearer token (corral engine "
+        "--token-var, SGLang's or vLLM's --api-key), sent on every engine request",
     )
     add_rendering_flags(gateway)
     gateway.add_argument(

@@ -40,14 +40,15 @@ def make_engine_client(
     connect_timeout: float = 5.0,
     max_connections: int = 512,
     retries: int = 2,
+    api_key: str | None = None,
 ) -> EngineClient:
     """The client of the engine at ``url`` that speaks ``api``: ``"sglang"`` (SGLang's native
     API: SGLang, its router, corral's local engine) or ``"vllm"`` (vLLM's token API, vLLM
     started with ``--enable-scale-out``). ``url`` may list several engines, comma-separated:
     then each session goes to one of them
     (:class:`~corral.engines.affinity.SessionAffineEngines`). The settings mean what
-    ``SGLangClient``'s do; a bad URL or setting raises ``ValueError``, an unknown ``api``
-    too."""
+    ``SGLangClient``'s do (``api_key``: the bearer token sent to every engine listed); a bad
+    URL or setting raises ``ValueError``, an unknown ``api`` too."""
     urls = engine_urls(url)
     if len(urls) > 1:
         from corral.engines.affinity import SessionAffineEngines
@@ -60,6 +61,7 @@ def make_engine_client(
                 connect_timeout=connect_timeout,
                 max_connections=max_connections,
                 retries=retries,
+                api_key=api_key,
             )
             for one in urls
         ]
@@ -81,6 +83,7 @@ def make_engine_client(
         connect_timeout=connect_timeout,
         max_connections=max_connections,
         retries=retries,
+        api_key=api_key,
     )
 
 

@@ -120,7 +120,9 @@ class SGLangClient:
     bounds establishing a connection; ``retries`` is how many times a failed connection
     attempt is retried (so up to ``retries + 1`` attempts). Proxy settings from the
     environment are ignored: an engine is a cluster-internal service, and an ``HTTP_PROXY``
-    meant for package downloads must not capture it.
+    meant for package downloads must not capture it. ``api_key``: sent as ``Authorization:
+    Bearer <api_key>`` on every request (SGLang's and vLLM's ``--api-key``, ``corral engine
+    --token-var``); None sends none.
 
     The underlying ``aiohttp`` session is created on first use, inside the running event
     loop (so the client itself may be built anywhere); used from another loop later, the
@@ -138,6 +140,7 @@ class SGLangClient:
         connect_timeout: float = 5.0,
         max_connections: int = 512,
         retries: int = 2,
+        api_key: str | None = None,
     ) -> None:
         try:
             url = URL(base_url)
@@ -154,6 +157,9 @@ class SGLangClient:
         self.connect_timeout = connect_timeout
         self.max_connections = max_connections
         self.retries = retries
+        # On the session, so that no request (generate, stream, abort, health, ...) goes
+        # without it; not kept as an attribute of its own, so it shows in no repr.
+        self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else None
         self._timeout = self._client_timeout(timeout)
         self._urls: dict[str, URL] = {}
         self._routing_keys: OrderedDict[str, str] = OrderedDict()  # rid -> routing key
@@ -403,6 +409,7 @@ class SGLangClient:
             timeout=self._timeout,
             trust_env=False,
             auto_decompress=True,
+            headers=self._auth,
         )
         # aiohttp silently resends a GET once when a connection breaks; the retry policy is
         # ours alone (see the module docstring), so that it counts every attempt.

@@ -25,7 +25,8 @@ class GatewayLaunch:
     speaks ``engine_api``, rendering with ``model``'s tokenizer and template.
 
     ``admin_token_var`` names the variable a child reads its admin token from (the token itself
-    never appears in an argv); a gateway in a thread is handed the token instead. The other
+    never appears in an argv); a gateway in a thread is handed the token instead;
+    ``engine_token_var`` likewise names the variable holding the engines' bearer token. The other
     fields are the :class:`~corral.gateway.settings.GatewaySettings` fields of the same meaning,
     with its defaults; ``served_model_name`` None: the model folder's name. Each field is one
     ``corral gateway`` flag (tests/test_service_settings.py parses :meth:`to_argv` with the
@@ -35,6 +36,7 @@ class GatewayLaunch:
     model: Path
     engine_api: EngineApi = "sglang"
     admin_token_var: str | None = None
+    engine_token_var: str | None = None
     tool_call_parser: str = GatewaySettings.tool_call_parser
     reasoning_parser: str = GatewaySettings.reasoning_parser
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -47,7 +49,8 @@ class GatewayLaunch:
 
     def gateway_options(self) -> dict[str, Any]:
         """The keywords of :func:`~corral.gateway.server.create_gateway` (after the engine URL
-        and the model) that these settings ask for; the admin token is the caller's."""
+        and the model) that these settings ask for; the admin and engine tokens are the
+        caller's."""
         options: dict[str, Any] = {
             "engine_api": self.engine_api,
             "tool_call_parser": self.tool_call_parser,
@@ -70,6 +73,8 @@ class GatewayLaunch:
         argv += ["--model", str(self.model)]
         if self.admin_token_var is not None:
             argv += ["--admin-token-var", self.admin_token_var]
+        if self.engine_token_var is not None:
+            argv += ["--engine-token-var", self.engine_token_var]
         argv += [
             *("--tool-call-parser", self.tool_call_parser),
             *("--reasoning-parser", self.reasoning_parser),

@@ -38,6 +38,7 @@ def create_gateway(
     model_path: str | Path,
     *,
     engine_api: EngineApi = "sglang",
+    engine_token: str | None = None,
     settings: GatewaySettings | None = None,
     **overrides: Any,
 ) -> Starlette:
@@ -45,7 +46,8 @@ def create_gateway(
     comma-separated: each session on one of them), which speaks ``engine_api``:
     SGLang's native API (SGLang, its router, corral's local engine) or vLLM's token API (vLLM
     started with ``--enable-scale-out``); both answer ``GET /health``, which the start-up
-    check asks.
+    check asks. ``engine_token``: the engines' bearer token (``corral engine --token-var``,
+    SGLang's or vLLM's ``--api-key``), sent on every engine request.
 
     ``model_path`` is a Hugging Face folder: its tokenizer and chat template render prompts
     (the engine's weights may live elsewhere). ``settings`` defaults are filled from the
@@ -58,24 +60,31 @@ def create_gateway(
             max_context_tokens=model_context_length(model_path),
         )
     settings = replace(settings, **overrides)
-    engine = make_engine_client(engine_api, engine_url, timeout=settings.engine_timeout_s)
+    engine = make_engine_client(
+        engine_api, engine_url, timeout=settings.engine_timeout_s, api_key=engine_token
+    )
     pipeline = TurnPipeline(settings, engine, tokenizer)
 
     async def startup_check() -> None:
         for url in engine_urls(engine_url):
             await check_engine(
-                url, timeout_s=min(settings.engine_timeout_s, HEALTH_CHECK_TIMEOUT_S)
+                url,
+                timeout_s=min(settings.engine_timeout_s, HEALTH_CHECK_TIMEOUT_S),
+                token=engine_token,
             )
 
     return build_gateway_app(settings, engine, pipeline, startup_check=startup_check)
 
 
-async def check_engine(engine_url: str, *, timeout_s: float = HEALTH_CHECK_TIMEOUT_S) -> None:
+async def check_engine(
+    engine_url: str, *, timeout_s: float = HEALTH_CHECK_TIMEOUT_S, token: str | None = None
+) -> None:
     """Log whether the engine at ``engine_url`` answers its health check (``GET /health`` with
     a 2xx, what the gateway's own ``/health`` asks): one INFO line when it does, one WARNING
     naming the URL and what happened when it does not. Never raises: a gateway starts anyway
-    (the engine may come up later; until then turns are answered 503)."""
-    problem = await engine_health_problem(engine_url, timeout_s=timeout_s)
+    (the engine may come up later; until then turns are answered 503). ``token``: the
+    engine's bearer token, if it has one."""
+    problem = await engine_health_problem(engine_url, timeout_s=timeout_s, token=token)
     if problem is None:
         log.info("the engine at %s answers its health check", engine_url)
     else:
@@ -87,16 +96,21 @@ async def check_engine(engine_url: str, *, timeout_s: float = HEALTH_CHECK_TIMEO
         )
 
 
-async def engine_health_problem(engine_url: str, *, timeout_s: float) -> str | None:
+async def engine_health_problem(
+    engine_url: str, *, timeout_s: float, token: str | None = None
+) -> str | None:
     """None when ``GET {engine_url}/health`` answers a 2xx within ``timeout_s``; else what
     happened, in words: ``connection refused``, ``no answer within 30 s``, ``HTTP 503
-    Service Unavailable``, or the connection error's own words."""
+    Service Unavailable``, or the connection error's own words. ``token`` is sent as a bearer
+    when given (corral's engine leaves ``/health`` open; an engine guarding it too still
+    answers)."""
     url = engine_url.rstrip("/") + "/health"
+    headers = {"Authorization": f"Bearer {token}"} if token else None
     try:
         # One try, no retries: this only decides whether to warn.
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as client,
-            client.get(url, allow_redirects=False) as resp,
+            client.get(url, allow_redirects=False, headers=headers) as resp,
         ):
             if 200 <= resp.status < 300:
                 return None

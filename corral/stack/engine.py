@@ -43,12 +43,24 @@ def engine_in_thread(
 
 @contextmanager
 def engine_in_process(
-    settings: EngineSettings, *, log: Path, host: str = "127.0.0.1"
+    settings: EngineSettings,
+    *,
+    log: Path,
+    token: str | None = None,
+    host: str = "127.0.0.1",
 ) -> Iterator[str]:
     """``corral engine`` for ``settings`` as a child process on a free port of ``host``; yields
     its base URL once it answers (:func:`corral.processes.serve_in_process`: its output goes
-    to ``log``, ``ChildServerError`` if it dies or is not ready in time)."""
+    to ``log``, ``ChildServerError`` if it dies or is not ready in time). ``token`` (what
+    every route but ``/health`` then requires) reaches the child in the variable
+    ``settings.token_var`` names, never in its argv (``ValueError`` when a token is given and
+    no variable is named)."""
     from corral.processes import serve_in_process
 
-    with serve_in_process(settings.to_argv(), log=log, host=host) as url:
+    env: dict[str, str] = {}
+    if token is not None:
+        if settings.token_var is None:
+            raise ValueError("a token for a child engine needs settings.token_var")
+        env[settings.token_var] = token
+    with serve_in_process(settings.to_argv(), log=log, host=host, env=env) as url:
         yield url

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -86,7 +87,9 @@ class MetricsWriter:
     scalar under ``<run_dir>/tensorboard``. A resumed run keeps appending; lines of steps
     beyond the checkpoint that a crash left are dropped first, so each step appears once.
     :attr:`evaluated_steps` are the steps with an eval line (kept or written), so a resumed
-    run neither repeats nor loses the evaluation of the step it resumes from."""
+    run neither repeats nor loses the evaluation of the step it resumes from. That rewrite is
+    never in place (a temporary file fsynced, then renamed over the old one), so a crash
+    during it leaves the old file whole."""
 
     def __init__(self, run_dir: Path, *, tensorboard: bool = True, resume_step: int = 0) -> None:
         self.path = run_dir / METRICS_FILE
@@ -95,7 +98,7 @@ class MetricsWriter:
         if self.path.exists():
             kept = [line for line in read_metrics(self.path) if line["step"] <= resume_step]
             self._evaluated = {int(line["step"]) for line in kept if line.get("kind") == "eval"}
-            self.path.write_text("".join(json.dumps(line) + "\n" for line in kept))
+            _replace_atomically(self.path, "".join(json.dumps(line) + "\n" for line in kept))
         self._file = self.path.open("a")
         self._tb: Any = None
         if tensorboard:
@@ -133,6 +136,27 @@ class MetricsWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _replace_atomically(path: Path, text: str) -> None:
+    """``path`` holding ``text``: written to a sibling temporary file, fsynced, renamed over
+    ``path`` and the folder fsynced; on any failure ``path`` is as it was and no temporary
+    file is left."""
+    scratch = path.with_name(f".{path.name}.tmp")
+    try:
+        with scratch.open("w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(scratch, path)
+    except BaseException:
+        scratch.unlink(missing_ok=True)
+        raise
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _nonfinite(value: Any) -> bool:

@@ -138,6 +138,10 @@ def _actor_options(num_cpus: float | None, spread: bool) -> dict[str, Any]:
 # --------------------------------------------------------------------------- env servers
 
 
+# Addresses only this machine reaches: an env server bound to one may go without a token.
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
+
+
 class EnvServerActor:
     """Ray actor (made remote by :func:`start_env_servers`): serves ``settings`` (its bundle
     folder, with :func:`~corral.stack.env_server.env_server_in_thread`) through uvicorn in a
@@ -210,7 +214,8 @@ def start_env_servers(
     """Start ``n`` env-server actors serving the bundle folder ``bundle`` (a path readable on
     every node; made absolute here), placed with Ray's ``SPREAD`` strategy unless ``spread`` is
     false. ``sandbox``: the backend name each episode runs in (``build_app``'s ``sandbox``);
-    ``token``: the bearer token every route but ``/health`` requires; ``app_options``: more
+    ``token``: the bearer token every route but ``/health`` requires (ValueError without one
+    unless ``host`` is a loopback address); ``app_options``: more
     :class:`~corral.envs.settings.ServeSettings` fields, the ``build_app`` keywords of the same
     names (``max_concurrent_envs``, ``sandbox_image``, ``warm_sandboxes``, timeouts; a None one
     keeps the server's default; TypeError for another name). ``num_cpus``: each actor's CPUs
@@ -222,6 +227,12 @@ def start_env_servers(
     server would listen on another port than the rows name."""
     if n < 1:
         raise ValueError(f"n must be at least 1, not {n}")
+    if token is None and host not in LOOPBACK_HOSTS:
+        # Other nodes reach it by the node's address: without a token, anyone on the network
+        # could play (and reset, and read the tasks of) the run's env servers.
+        raise ValueError(
+            f"env servers listening on {host} need a token: pass token=, or host='127.0.0.1'"
+        )
     ray = _ray()
     settings = ServeSettings(bundle=Path(bundle).absolute(), sandbox=sandbox, **app_options)
     remote = ray.remote(EnvServerActor).options(**_actor_options(num_cpus, spread))

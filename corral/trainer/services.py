@@ -47,6 +47,8 @@ from corral.trainer.weights import DiskWeightSync, InProcessWeightSync, WeightSy
 
 __all__ = [
     "AGENT_CLIS_VARIABLE",
+    "OWN_ENGINE_TOKEN_VAR",
+    "OWN_ENV_TOKEN_VAR",
     "OWN_GATEWAY_TOKEN_VAR",
     "AgentServing",
     "EngineSide",
@@ -65,6 +67,14 @@ __all__ = [
 # process): the agents a run plays reach the gateway through their sessions' URLs, and an open
 # admin route would let one set its own reward.
 OWN_GATEWAY_TOKEN_VAR = "CORRAL_RUN_GATEWAY_ADMIN"
+# Likewise the engine child a run starts: its token (in this variable of the engine's and the
+# gateway's processes) keeps other local processes from aborting its requests or swapping its
+# weights; only the gateway and the weight sync hold it.
+OWN_ENGINE_TOKEN_VAR = "CORRAL_RUN_ENGINE_TOKEN"
+# On Ray the env servers listen on the node's address, so they always take a token: one the
+# config names, else a fresh one in this variable of the run's process, which the rows name
+# (this process's players and the rollout workers read it as they read a configured one).
+OWN_ENV_TOKEN_VAR = "CORRAL_RUN_ENV_TOKEN"
 
 
 @dataclass(frozen=True)
@@ -178,22 +188,34 @@ def _engine_children(config: TrainConfig, stack: ExitStack, model: Path) -> Engi
 
     logs = config.run_dir / "logs"
     engine = EngineSettings(
-        model=model, device=config.model.device, max_batch_size=config.engine.max_batch_size
+        model=model,
+        device=config.model.device,
+        max_batch_size=config.engine.max_batch_size,
+        token_var=OWN_ENGINE_TOKEN_VAR,
     )
-    engine_url = stack.enter_context(engine_in_process(engine, log=logs / "engine.log"))
+    engine_token = secrets.token_urlsafe(32)
+    engine_url = stack.enter_context(
+        engine_in_process(engine, log=logs / "engine.log", token=engine_token)
+    )
     admin_token = secrets.token_urlsafe(32)
     launch = GatewayLaunch(
-        engine_url=engine_url, model=model, admin_token_var=OWN_GATEWAY_TOKEN_VAR
+        engine_url=engine_url,
+        model=model,
+        admin_token_var=OWN_GATEWAY_TOKEN_VAR,
+        engine_token_var=OWN_ENGINE_TOKEN_VAR,
     )
     gateway = stack.enter_context(
         gateway_in_process(
             launch,
             log=logs / "gateway.log",
             admin_token=admin_token,
+            engine_token=engine_token,
             host=_gateway_host(config.ray.address is not None),
         )
     )
-    weight_sync = DiskWeightSync([engine_url], config.run_dir / "weights", tokenizer_from=model)
+    weight_sync = DiskWeightSync(
+        [engine_url], config.run_dir / "weights", tokenizer_from=model, api_key=engine_token
+    )
     return EngineSide(gateway, admin_token, weight_sync)
 
 
@@ -243,6 +265,8 @@ class EnvSide:
     url: str
     token: str | None
     urls: list[str] = field(default_factory=list)
+    # The variable the rows name for the token (None: ``[env] token_var``).
+    token_var: str | None = None
 
 
 def env_serve_settings(config: TrainConfig, agents: AgentServing | None = None) -> ServeSettings:
@@ -297,6 +321,10 @@ def start_env_side(config: TrainConfig, stack: ExitStack, gateway: str) -> EnvSi
         # [agent] does not go with [ray] (the config refuses it): these serve no agents.
         from corral.trainer.ray_cluster import start_env_servers
 
+        token_var = env.token_var
+        if token is None:
+            token, token_var = secrets.token_urlsafe(32), OWN_ENV_TOKEN_VAR
+            os.environ[OWN_ENV_TOKEN_VAR] = token
         servers = start_env_servers(
             settings.bundle,
             config.ray.env_servers,
@@ -308,7 +336,7 @@ def start_env_side(config: TrainConfig, stack: ExitStack, gateway: str) -> EnvSi
         for server in servers:
             stack.callback(server.stop)
         urls = [server.url for server in servers]
-        return EnvSide(urls[0], token, urls)
+        return EnvSide(urls[0], token, urls, token_var)
     from corral.stack.env_server import env_server_in_thread
 
     return EnvSide(stack.enter_context(env_server_in_thread(settings, token=token)), token)
@@ -338,7 +366,7 @@ def write_and_split_rows(config: TrainConfig, env: EnvSide) -> RunRows:
         max_turns=settings.max_turns,
         tool_timeout=settings.tool_timeout,
         model_timeout=settings.model_timeout,
-        token_var=settings.token_var,
+        token_var=env.token_var if env.token_var is not None else settings.token_var,
     )
     write_rows(env.url, rows_dir, row_settings, token=env.token)
     rows = read_rows(rows_dir / "all.jsonl")

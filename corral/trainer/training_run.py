@@ -16,6 +16,7 @@ What a step is (rollouts and the GRPO update; a batch of conversations) is each 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -27,9 +28,12 @@ from pydantic import BaseModel
 
 from corral.trainer import megatron_runtime
 from corral.trainer.checkpoint import (
+    CheckpointUnreadable,
+    LoadedCheckpoint,
     TrainerState,
-    latest_checkpoint,
-    load_checkpoint,
+    apply_checkpoint,
+    complete_checkpoints,
+    read_checkpoint,
     save_checkpoint,
 )
 from corral.trainer.config import ModelSettings, OptimSettings
@@ -40,6 +44,12 @@ if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
 
     from corral.trainer.model import ModelSpec
+
+log = logging.getLogger(__name__)
+
+# How reading a checkpoint went on one rank, worst first (:meth:`Policy.resume` takes the
+# minimum over the ranks).
+_MISFIT, _UNREADABLE, _READ = 0, 1, 2
 
 # Called with each metrics line the leader writes (a progress display, a caller's own log).
 OnLine = Callable[[dict[str, Any]], None]
@@ -101,15 +111,53 @@ class Policy:
         return float(self.optimizer.param_groups[0]["lr"])
 
     def resume(self, run_dir: Path) -> TrainerState | None:
-        """Load ``run_dir``'s latest checkpoint into the model and optimizer, restore its RNG
-        states and return its :class:`TrainerState`; None (nothing changed) without one. Every
-        rank calls it. ValueError when the checkpoint does not fit the model."""
-        path = latest_checkpoint(run_dir)
-        if path is None:
+        """Load ``run_dir``'s latest checkpoint that every rank can read into the model and
+        optimizer, restore its RNG states and return its :class:`TrainerState`; None (nothing
+        changed) without one. Every rank calls it, and all pick the same checkpoint: a newer
+        one that some rank cannot read (a torn or missing file,
+        :class:`~corral.trainer.checkpoint.CheckpointUnreadable`) is skipped with a warning
+        naming it. Nothing is applied before every rank has read its files, so a skipped
+        checkpoint leaves the model and optimizer untouched. ValueError when the checkpoint
+        does not fit the model (an older one of the same run would not either);
+        CheckpointUnreadable when none can be read."""
+        candidates = complete_checkpoints(run_dir)
+        if not candidates:
             return None
-        state = load_checkpoint(path, self.model, self.optimizer, rank=self.runtime.rank)
-        state.restore_rng()
-        return state
+        for path in candidates:
+            loaded: LoadedCheckpoint | None = None
+            misfit: ValueError | None = None
+            reason = "unreadable on another trainer rank"
+            try:
+                loaded = read_checkpoint(path, rank=self.runtime.rank)
+            except CheckpointUnreadable as exc:
+                reason = str(exc)
+            except ValueError as exc:
+                misfit = exc
+            # Every rank learns the worst outcome, so none waits in a collective for another
+            # that raised, and all take (or skip) the same checkpoint.
+            outcome = self._worst_over_ranks(
+                _READ if loaded is not None else _MISFIT if misfit else _UNREADABLE
+            )
+            if outcome == _MISFIT:
+                raise misfit or ValueError(f"{path} does not fit another trainer rank's model")
+            if outcome == _READ:
+                assert loaded is not None
+                apply_checkpoint(loaded, self.model, self.optimizer)
+                loaded.state.restore_rng()
+                return loaded.state
+            log.warning("resume: skipping checkpoint %s: %s", path, reason)
+        raise CheckpointUnreadable(
+            f"none of {run_dir}'s checkpoints can be read: {', '.join(p.name for p in candidates)}"
+        )
+
+    def _worst_over_ranks(self, outcome: int) -> int:
+        """The least ``outcome`` over every rank of the world (a min-all-reduce; every rank
+        calls it)."""
+        if self.runtime.world_size == 1:
+            return outcome
+        flag = torch.tensor([outcome], dtype=torch.int32, device=self.runtime.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        return int(flag.item())
 
     def save(self, run_dir: Path, state: TrainerState, *, keep: int) -> Path:
         """Write the checkpoint of ``state`` (keeping the newest ``keep``) and return its

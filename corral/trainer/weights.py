@@ -39,7 +39,8 @@ class WeightSync(Protocol):
 class DiskWeightSync:
     """Weights through ``<out_dir>/<version>`` and ``update_weights_from_disk``; the tokenizer
     files are copied from ``tokenizer_from`` so each folder is a complete model. ``api`` is
-    the engines' API: SGLang's (and the local engine's) or vLLM's."""
+    the engines' API: SGLang's (and the local engine's) or vLLM's; ``api_key``, their bearer
+    token when they have one (``corral engine --token-var``, ``--api-key``)."""
 
     def __init__(
         self,
@@ -48,6 +49,7 @@ class DiskWeightSync:
         *,
         tokenizer_from: Path | None = None,
         api: Literal["sglang", "vllm"] = "sglang",
+        api_key: str | None = None,
     ) -> None:
         if not engines:
             raise ValueError("no engine to push weights to")
@@ -55,6 +57,7 @@ class DiskWeightSync:
         self.api = api
         self.out_dir = out_dir
         self.tokenizer_from = tokenizer_from
+        self._api_key = api_key
         self._last: Path | None = None
 
     async def push(self, model: Any, spec: ModelSpec, version: str) -> None:
@@ -76,7 +79,7 @@ class DiskWeightSync:
         async def load(url: str) -> None:
             try:
                 client = VLLMClient if self.api == "vllm" else SGLangClient
-                async with client(url) as engine:
+                async with client(url, api_key=self._api_key) as engine:
                     await engine.update_weights_from_disk(folder, weight_version=version)
             except EngineError as exc:
                 raise WeightSyncError(f"engine {url} did not load {path}: {exc}") from exc

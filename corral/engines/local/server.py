@@ -13,6 +13,11 @@ it drops in as a worker behind SGLang's routers (sglang-router, smg):
 - ``/metrics`` (Prometheus text) counts the requests this engine served, so a test or an
   operator sees from the engine's side where a router sent what.
 
+Auth: built with a ``token``, every route but ``/health`` wants ``Authorization: Bearer
+<token>`` (SGLang's ``--api-key`` header; ``/health`` stays open for liveness probes), else a
+401 ``{"error": {"message", "type": "authentication_error"}}`` before the route runs.
+Without one, :func:`run_engine` listens on loopback only.
+
 Errors: a body that is not JSON, does not match the protocol models (unknown fields included)
 or that the engine refuses gets a 400 ``{"error": {"message", "type": "invalid_request_error"}}``.
 A client that disconnects aborts its request (streaming: at once; non-streaming: noticed within
@@ -22,6 +27,7 @@ about a second, as SGLang does by polling the connection).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -35,9 +41,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 import corral
 from corral.engines.local.engine import InvalidRequestError, LocalEngine
+from corral.engines.local.settings import is_loopback
 from corral.engines.protocol import (
     AbortRequest,
     GenerateRequest,
@@ -102,6 +110,45 @@ async def _parse_generate(request: Request) -> GenerateRequest:
         raise _invalid(GenerateRequest, exc) from exc
 
 
+# The one route a token does not guard: liveness probes (process launchers, routers) carry none.
+_OPEN_PATHS = frozenset({"/health"})
+
+
+def _bearer(scope: Scope) -> bytes:
+    """The bearer token of the request's ``Authorization`` header, as sent (b"" if none)."""
+    for name, value in scope.get("headers", ()):
+        if name == b"authorization":
+            scheme, _, token = bytes(value).partition(b" ")
+            return token.strip() if scheme.lower() == b"bearer" else b""
+    return b""
+
+
+class _BearerAuth:
+    """ASGI middleware: an HTTP request to a guarded path without ``token`` as its bearer is
+    answered 401 and never reaches the app. Plain ASGI rather than Starlette's
+    ``BaseHTTPMiddleware``, which would get between a route and its client's disconnects."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self._token = token.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] != "http"
+            or scope["path"] in _OPEN_PATHS
+            # Bytes on both sides: compare_digest refuses non-ASCII str (a 500, not a 401).
+            or hmac.compare_digest(_bearer(scope), self._token)
+        ):
+            await self.app(scope, receive, send)
+            return
+        refused = _error(
+            "this engine needs its token: Authorization: Bearer <token>",
+            401,
+            "authentication_error",
+        )
+        await refused(scope, receive, send)
+
+
 @dataclass
 class EngineCounters:
     """What this engine served since it started, as ``/metrics`` reports it.
@@ -148,8 +195,12 @@ def _chunk_json(resp: GenerateResponse) -> dict[str, Any]:
     return data
 
 
-def build_engine_app(engine: LocalEngine) -> FastAPI:
-    """A FastAPI app serving ``engine``; the app's lifespan starts and stops the engine."""
+def build_engine_app(engine: LocalEngine, *, token: str | None = None) -> FastAPI:
+    """A FastAPI app serving ``engine``; the app's lifespan starts and stops the engine.
+    ``token``: every route but ``/health`` answers only to it as a bearer (module docstring);
+    None: open to whoever reaches the port. ``ValueError`` for an empty token."""
+    if token is not None and not token:
+        raise ValueError("an empty engine token would guard nothing")
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -160,6 +211,8 @@ def build_engine_app(engine: LocalEngine) -> FastAPI:
             await engine.stop()
 
     app = FastAPI(title="corral local engine (not SGLang)", lifespan=lifespan)
+    if token is not None:
+        app.add_middleware(_BearerAuth, token=token)
     counters = EngineCounters()
     app.state.counters = counters
     created = int(time.time())
@@ -320,11 +373,17 @@ def run_engine(
     port: int = 30000,
     device: str = "cpu",
     max_batch_size: int = 64,
+    token: str | None = None,
 ) -> None:
     """Load ``model_path`` and serve it until SIGINT / SIGTERM (blocking; used by ``corral
     engine``): :func:`corral.serving.serve_forever`, so a SIGTERM is a clean exit and a port
-    that cannot be bound raises its ``BindError``."""
+    that cannot be bound raises its ``BindError``. ``token``: what every route but
+    ``/health`` requires; without one, a ``host`` beyond loopback is a ``ValueError`` (raised
+    before the model loads): anyone reaching the port could abort requests and swap the
+    weights."""
     from corral.serving import serve_forever
 
+    if token is None and not is_loopback(host):
+        raise ValueError(f"the engine listens on {host} only with a token (or on 127.0.0.1)")
     engine = LocalEngine(model_path, device=device, max_batch_size=max_batch_size)
-    serve_forever(build_engine_app(engine), host=host, port=port)
+    serve_forever(build_engine_app(engine, token=token), host=host, port=port)
