@@ -1,9 +1,11 @@
-"""Start real servers on 127.0.0.1 for tests (uvicorn in a background thread), and the
-stand-in gateway the agent bridge's tests talk to (aiohttp on the test's own loop)."""
+"""Start real servers on 127.0.0.1 for tests (uvicorn in a background thread), the stand-in
+gateway the agent bridge's tests talk to (aiohttp on the test's own loop), and raw sockets for
+the tests that attack a server's transport."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -13,7 +15,30 @@ from aiohttp import web
 from corral.serving import free_port
 from corral.serving import serve_in_thread as serve
 
-__all__ = ["Gateway", "free_port", "serve", "stand_in_gateway"]
+__all__ = ["Gateway", "free_port", "raw_connect", "read_until_closed", "serve", "stand_in_gateway"]
+
+
+def raw_connect(port: int, timeout_s: float) -> socket.socket:
+    """A plain TCP connection to 127.0.0.1:``port`` whose every call waits at most
+    ``timeout_s`` (a bound for the test, never a way to wait for the server)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
+    sock.settimeout(timeout_s)
+    return sock
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the socket (a reset counts as closed;
+    raises on the socket's timeout)."""
+    chunks = []
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 @dataclass

@@ -27,7 +27,7 @@ from websockets.exceptions import ConnectionClosedError, InvalidStatus
 
 from corral.envs.client import EnvClient
 from corral.transport import TransportLimits, fd_budget, hardened_config
-from tests.servers import free_port, serve
+from tests.servers import free_port, raw_connect, read_until_closed, serve
 
 ROOT = Path(__file__).resolve().parent.parent
 GRIDSIM = ROOT / "bundles" / "gridsim"
@@ -73,23 +73,7 @@ def _server(**limits: float) -> Iterator[tuple[str, int]]:
 
 
 def _connect(port: int) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", port), timeout=BOUND_S)
-    sock.settimeout(BOUND_S)
-    return sock
-
-
-def _read_until_closed(sock: socket.socket) -> bytes:
-    """Everything the server sends until it closes the socket (raises on the upper bound)."""
-    chunks = []
-    while True:
-        try:
-            chunk = sock.recv(65536)
-        except ConnectionResetError:
-            break
-        if not chunk:
-            break
-        chunks.append(chunk)
-    return b"".join(chunks)
+    return raw_connect(port, BOUND_S)
 
 
 def _trickle(sock: socket.socket, data: bytes, every_s: float) -> threading.Thread:
@@ -112,7 +96,7 @@ def test_idle_socket_closed_after_head_deadline() -> None:
     """A socket that connects and sends nothing is closed after head_timeout_s, silently."""
     with _server(head_timeout_s=0.5) as (_, port), _connect(port) as sock:
         start = time.monotonic()
-        assert _read_until_closed(sock) == b""
+        assert read_until_closed(sock) == b""
         assert 0.4 <= time.monotonic() - start < 5
 
 
@@ -122,7 +106,7 @@ def test_slowloris_head_closed_with_408() -> None:
     with _server(head_timeout_s=1.0) as (_, port), _connect(port) as sock:
         start = time.monotonic()
         _trickle(sock, head, 0.05)
-        answer = _read_until_closed(sock)
+        answer = read_until_closed(sock)
         assert answer.startswith(b"HTTP/1.1 408 ")
         assert 0.9 <= time.monotonic() - start < 6
 
@@ -136,7 +120,7 @@ def test_slowloris_on_kept_alive_connection_closed() -> None:
         assert first.startswith(b"HTTP/1.1 200 ")
         start = time.monotonic()
         _trickle(sock, b"GET /health HTTP/1.1\r\n" + b"X-Pad: y\r\n" * 1000, 0.05)
-        assert _read_until_closed(sock).startswith(b"HTTP/1.1 408 ")
+        assert read_until_closed(sock).startswith(b"HTTP/1.1 408 ")
         assert time.monotonic() - start < 6
 
 
@@ -146,7 +130,7 @@ def test_half_sent_body_gets_408() -> None:
     with _server(body_timeout_s=0.5) as (url, port), _connect(port) as sock:
         sock.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b"a" * 10)
         start = time.monotonic()
-        assert _read_until_closed(sock).startswith(b"HTTP/1.1 408 ")
+        assert read_until_closed(sock).startswith(b"HTTP/1.1 408 ")
         assert 0.4 <= time.monotonic() - start < 5
         assert httpx.post(f"{url}/echo", content=b"b" * 1000, timeout=5).content == b"b" * 1000
 
@@ -164,9 +148,9 @@ def test_body_after_an_early_answer_is_still_bounded() -> None:
             assert sock.recv(65536).startswith(b"HTTP/1.1 401 ")
         finished.sendall(b"a" * 90)
         start = time.monotonic()
-        assert _read_until_closed(stalled) == b""
+        assert read_until_closed(stalled) == b""
         assert time.monotonic() - start < 5
-        assert _read_until_closed(finished) == b""
+        assert read_until_closed(finished) == b""
         assert time.monotonic() - start < 8
 
 
@@ -182,7 +166,7 @@ def test_oversized_head_gets_431() -> None:
     """A head over max_head_bytes is refused with 431 at once, not buffered."""
     with _server(max_head_bytes=4096) as (_, port), _connect(port) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: " + b"y" * 8192)
-        assert _read_until_closed(sock).startswith(b"HTTP/1.1 431 ")
+        assert read_until_closed(sock).startswith(b"HTTP/1.1 431 ")
 
 
 def test_a_head_completed_in_one_read_is_bounded_too() -> None:
@@ -193,20 +177,20 @@ def test_a_head_completed_in_one_read_is_bounded_too() -> None:
     with _server(max_head_bytes=4096) as (_, port):
         with _connect(port) as sock:
             sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + pad + b"\r\n\r\n")
-            assert _read_until_closed(sock).startswith(b"HTTP/1.1 431 ")
+            assert read_until_closed(sock).startswith(b"HTTP/1.1 431 ")
         body = b"z" * 8192
         head = b"POST /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
         head += b"Content-Length: %d\r\nX-Pad: %s\r\n\r\n" % (len(body), b"y" * 3900)
         assert len(head) < 4096
         with _connect(port) as sock:
             sock.sendall(b"\r\n" + head + body)
-            answer = _read_until_closed(sock)
+            answer = read_until_closed(sock)
             assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(body)
         with _connect(port) as sock:  # blank lines first do not end the head early
             sock.sendall(
                 b"\r\n\r\n" + b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + pad + b"\r\n\r\n"
             )
-            assert _read_until_closed(sock).startswith(b"HTTP/1.1 431 ")
+            assert read_until_closed(sock).startswith(b"HTTP/1.1 431 ")
 
 
 def test_idle_sockets_over_pending_cap_do_not_stop_health() -> None:
@@ -222,7 +206,7 @@ def test_idle_sockets_over_pending_cap_do_not_stop_health() -> None:
         # The 40 oldest were dropped to keep 20 waiting (the newest survive): reading them
         # returns EOF now, long before the 60 s deadline.
         for sock in socks[:40]:
-            assert _read_until_closed(sock) == b""
+            assert read_until_closed(sock) == b""
 
 
 def test_half_bodies_over_pending_cap_do_not_stop_health() -> None:
@@ -245,7 +229,7 @@ def test_half_bodies_over_pending_cap_do_not_stop_health() -> None:
                 start = time.monotonic()
                 assert client.get(f"{url}/health").status_code == 200
                 assert time.monotonic() - start < 1.0
-        assert _read_until_closed(socks[0]) == b""  # among the oldest: dropped
+        assert read_until_closed(socks[0]) == b""  # among the oldest: dropped
 
 
 def test_keep_alive_client_reuses_its_connection() -> None:
@@ -388,7 +372,7 @@ async def test_env_server_under_idle_attack_serves_health_and_reset() -> None:
                 assert not first.done
             finally:
                 await env.close()
-            assert _read_until_closed(socks[0]) == b""  # among the oldest: dropped
+            assert read_until_closed(socks[0]) == b""  # among the oldest: dropped
     finally:
         proc.terminate()
         proc.wait(30)

@@ -26,6 +26,7 @@ import pytest
 
 from corral.transport import TransportLimits
 from tests.gateway_stack import AUTH, ScriptedStack, scripted_gateway
+from tests.servers import raw_connect, read_until_closed
 
 pytestmark = pytest.mark.skipif(
     not Path("/proc/self/net/tcp").exists(), reason="counts server-side sockets through /proc"
@@ -84,23 +85,7 @@ def _server_side_peers(port: int) -> set[int]:
 
 
 def _connect(port: int) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", port), timeout=BOUND_S)
-    sock.settimeout(BOUND_S)
-    return sock
-
-
-def _read_until_closed(sock: socket.socket) -> bytes:
-    """Everything the server sends until it closes the socket (raises on the upper bound)."""
-    chunks = []
-    while True:
-        try:
-            chunk = sock.recv(65536)
-        except ConnectionResetError:
-            break
-        if not chunk:
-            break
-        chunks.append(chunk)
-    return b"".join(chunks)
+    return raw_connect(port, BOUND_S)
 
 
 def _still_open(sock: socket.socket) -> bool:
@@ -188,9 +173,9 @@ def test_idle_and_slowloris_sockets_neither_stop_the_gateway_nor_outlive_the_hea
             # The server closes each at its head deadline: idle ones with nothing said,
             # slowloris ones with a 408 (or a reset, if a trickled byte crossed the close).
             for sock in idle:
-                assert _read_until_closed(sock) == b""
+                assert read_until_closed(sock) == b""
             for sock in slow:
-                answer = _read_until_closed(sock)
+                answer = read_until_closed(sock)
                 assert answer == b"" or answer.startswith(b"HTTP/1.1 408 "), answer[:80]
             closed_after = time.monotonic() - opened
             assert closed_after >= HEAD_TIMEOUT_S * 0.9  # the deadline closed them, not a cap
@@ -218,7 +203,7 @@ def test_unauthenticated_keep_alive_connections_are_closed_when_idle(
         with httpx.Client(timeout=BOUND_S) as client:
             _healthy(client, gateway.url)
             for sock in socks:
-                answer = _read_until_closed(sock)
+                answer = read_until_closed(sock)
                 assert answer.startswith(b"HTTP/1.1 401 "), answer[:80]
             assert time.monotonic() - opened >= limits.keep_alive_s * 0.9
             peers = {sock.getsockname()[1] for sock in socks}
