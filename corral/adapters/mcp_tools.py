@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import json
 import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -31,8 +29,8 @@ from typing import Any
 import mcp.types as mcp_types
 from mcp.server.context import ServerRequestContext
 from mcp.server.lowlevel import Server
-from starlette.types import ASGIApp, Receive, Scope, Send
 
+from corral.bearer import BearerGate
 from corral.envs.client import EnvClient, EnvClientError, EnvServerError
 from corral.envs.episode import END_TURN_TOOL
 from corral.envs.protocol import (
@@ -203,39 +201,6 @@ def mcp_server(tools: EpisodeTools) -> Server[Any]:
         on_list_tools=list_tools,
         on_call_tool=call_tool,
     )
-
-
-class BearerGate:
-    """ASGI middleware: every HTTP request needs ``Authorization: Bearer <token>``, else 401
-    (lifespan events pass through)."""
-
-    def __init__(self, app: ASGIApp, token: str) -> None:
-        self.app = app
-        self._token = token.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not self._authorized(scope):
-            body = json.dumps({"error": "missing or wrong bearer token"}).encode()
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 401,
-                    "headers": [
-                        (b"content-type", b"application/json"),
-                        (b"content-length", str(len(body)).encode()),
-                        (b"www-authenticate", b"Bearer"),
-                    ],
-                }
-            )
-            await send({"type": "http.response.body", "body": body})
-            return
-        await self.app(scope, receive, send)
-
-    def _authorized(self, scope: Scope) -> bool:
-        header = dict(scope.get("headers") or []).get(b"authorization", b"")
-        scheme, _, value = header.partition(b" ")
-        # compare_digest: constant time in the token's content.
-        return scheme.lower() == b"bearer" and hmac.compare_digest(value.strip(), self._token)
 
 
 @dataclass(frozen=True)

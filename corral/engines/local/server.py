@@ -27,7 +27,6 @@ about a second, as SGLang does by polling the connection).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import time
 import uuid
@@ -41,9 +40,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 import corral
+from corral.bearer import BearerGate
 from corral.engines.local.engine import InvalidRequestError, LocalEngine
 from corral.engines.local.settings import is_loopback
 from corral.engines.protocol import (
@@ -112,41 +111,12 @@ async def _parse_generate(request: Request) -> GenerateRequest:
 
 # The one route a token does not guard: liveness probes (process launchers, routers) carry none.
 _OPEN_PATHS = frozenset({"/health"})
-
-
-def _bearer(scope: Scope) -> bytes:
-    """The bearer token of the request's ``Authorization`` header, as sent (b"" if none)."""
-    for name, value in scope.get("headers", ()):
-        if name == b"authorization":
-            scheme, _, token = bytes(value).partition(b" ")
-            return token.strip() if scheme.lower() == b"bearer" else b""
-    return b""
-
-
-class _BearerAuth:
-    """ASGI middleware: an HTTP request to a guarded path without ``token`` as its bearer is
-    answered 401 and never reaches the app. Plain ASGI rather than Starlette's
-    ``BaseHTTPMiddleware``, which would get between a route and its client's disconnects."""
-
-    def __init__(self, app: ASGIApp, token: str) -> None:
-        self.app = app
-        self._token = token.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] != "http"
-            or scope["path"] in _OPEN_PATHS
-            # Bytes on both sides: compare_digest refuses non-ASCII str (a 500, not a 401).
-            or hmac.compare_digest(_bearer(scope), self._token)
-        ):
-            await self.app(scope, receive, send)
-            return
-        refused = _error(
-            "this engine needs its token: Authorization: Bearer <token>",
-            401,
-            "authentication_error",
-        )
-        await refused(scope, receive, send)
+_REFUSAL = {
+    "error": {
+        "message": "this engine needs its token: Authorization: Bearer <token>",
+        "type": "authentication_error",
+    }
+}
 
 
 @dataclass
@@ -212,7 +182,7 @@ def build_engine_app(engine: LocalEngine, *, token: str | None = None) -> FastAP
 
     app = FastAPI(title="corral local engine (not SGLang)", lifespan=lifespan)
     if token is not None:
-        app.add_middleware(_BearerAuth, token=token)
+        app.add_middleware(BearerGate, token=token, open_paths=_OPEN_PATHS, refusal=_REFUSAL)
     counters = EngineCounters()
     app.state.counters = counters
     created = int(time.time())
