@@ -6,17 +6,22 @@ The daemon: ``DOCKER_HOST`` when set; otherwise a private one that this session 
 ``scripts/dockerd.sh`` in ``CORRAL_DOCKERD_DIR`` (default ``/tmp/corral-dockerd``, a stable folder
 so that the image built into its data-root is reused by later runs) and stops at the end. The
 image (``corral-sandbox:py3``) is built once (about 50 s) and then found by its input-hash label.
-Tests skip, saying why, only when no daemon can be reached or started.
+Tests skip, saying why, only when no daemon can be reached or started; and never in CI (the
+environment variable ``CI`` set, as CI's runner sets it for ``.ci/run``, which starts a
+dockerd and installs bubblewrap and pyseccomp): there a missing daemon fails the tests that
+need it, and so does any skip whose reason names bubblewrap, bwrap or pyseccomp
+(:func:`pytest_runtest_makereport`), so that CI cannot pass without its sandbox tests.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
@@ -48,6 +53,43 @@ def tiny_think_model_dir() -> Path:
     return cached_tiny_model("qwen3")
 
 
+def in_ci() -> bool:
+    """Whether this run is CI's: ``CI`` set to anything but empty, 0, false or no."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _unavailable(why: str) -> NoReturn:
+    """Skip saying ``why``; in CI fail instead, since CI provides what was missing."""
+    if in_ci():
+        pytest.fail(
+            f"CI={os.environ['CI']}: {why}; .ci/run provides a dockerd and the sandbox image, "
+            "so this is a broken CI setup, not a test to skip",
+            pytrace=False,
+        )
+    pytest.skip(why)
+
+
+# Skip reasons that mean "this machine lacks the bwrap backend": in CI, failures.
+_BWRAP_SKIP = re.compile(r"bubblewrap|\bbwrap\b|pyseccomp", re.IGNORECASE)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """In CI, a test skipped for want of bubblewrap or pyseccomp (CI installs both) fails,
+    with the skip's reason."""
+    report = yield
+    if report.skipped and not hasattr(report, "wasxfail") and in_ci():
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        if _BWRAP_SKIP.search(reason):
+            report.outcome = "failed"
+            report.longrepr = (
+                f"CI={os.environ['CI']}: skipped for want of the bwrap backend ({reason}); "
+                ".ci/run installs bubblewrap and pyseccomp, so this is a broken CI setup"
+            )
+    return report
+
+
 def _reachable() -> bool:
     try:
         import docker
@@ -63,11 +105,11 @@ def docker_daemon() -> Iterator[None]:
     try:
         import docker  # noqa: F401
     except ImportError:
-        pytest.skip("the docker SDK is not installed (pip install docker)")
+        _unavailable("the docker SDK is not installed (pip install docker)")
     started: Path | None = None
     if not os.environ.get("DOCKER_HOST") or not _reachable():
         if shutil.which("dockerd") is None or os.geteuid() != 0:
-            pytest.skip("no docker daemon reachable and cannot start one (needs dockerd and root)")
+            _unavailable("no docker daemon reachable and cannot start one (needs dockerd and root)")
         folder = Path(os.environ.get("CORRAL_DOCKERD_DIR", "/tmp/corral-dockerd"))
         proc = subprocess.run(
             ["bash", str(ROOT / "scripts" / "dockerd.sh"), "start", str(folder)],
@@ -76,11 +118,11 @@ def docker_daemon() -> Iterator[None]:
             check=False,
         )
         if proc.returncode != 0:
-            pytest.skip(f"could not start dockerd: {proc.stderr.strip()[-500:]}")
+            _unavailable(f"could not start dockerd: {proc.stderr.strip()[-500:]}")
         os.environ["DOCKER_HOST"] = proc.stdout.strip().split("=", 1)[1]
         started = folder
     if not _reachable():
-        pytest.skip(f"no docker daemon answers at {os.environ.get('DOCKER_HOST')}")
+        _unavailable(f"no docker daemon answers at {os.environ.get('DOCKER_HOST')}")
     from corral.sandboxes.image import build_image
 
     build_image(SANDBOX_IMAGE)

@@ -160,12 +160,18 @@ except OSError as e:
     out["runner_environ"] = why(e)
 
 # 4. grading code anywhere it can look, and the runner's own code
+# Where checkouts live first, the system's big trees last (a loaded host's walk may run out of
+# time before it reaches /tmp or /work otherwise), and no VCS or node_modules trees.
+SYSTEM = ("usr", "var", "lib", "lib32", "lib64", "libx32", "snap", "boot", "bin", "sbin")
 graders, deadline = [], time.monotonic() + 4
 for top in ["/"]:
     for folder, dirs, files in os.walk(top):
         if time.monotonic() > deadline:
             break
         dirs[:] = [d for d in dirs if os.path.join(folder, d) not in ("/proc", "/sys", "/dev")]
+        dirs[:] = [d for d in dirs if d not in (".git", "node_modules", "__pycache__")]
+        if folder == "/":
+            dirs.sort(key=lambda d: (d in SYSTEM, d))
         if not {"bundle.toml", "snapshot.py", "files.py"} & set(files):
             continue  # a shellcraft bundle's folder (by its other files), not any verifier.py
         for f in files:
@@ -199,12 +205,24 @@ for root in CODE_ROOTS:
             break
         except OSError as e:
             out.setdefault("code_write", why(e))
-try:
-    sys.path.insert(0, "/opt/corral/bundle")
-    import verifier  # noqa: F401
-    out["import_verifier"] = "GOT " + verifier.__file__
-except Exception as e:
-    out["import_verifier"] = "refused: " + type(e).__name__
+# The verifier as a module, from every folder the runner's code could be in: each code root,
+# its bundle folder, and /opt/corral's (where the bind backends mount it).
+import importlib
+folders = []
+for root in [*CODE_ROOTS, "/opt/corral"]:
+    folders += [f for f in (os.path.join(root, "bundle"), root) if f not in folders]
+out["import_verifier"] = f"refused: no verifier module in {len(folders)} folders"
+for folder in folders:
+    sys.path.insert(0, folder)
+    importlib.invalidate_caches()
+    try:
+        verifier = importlib.import_module("verifier")
+    except Exception:
+        continue
+    finally:
+        sys.path.remove(folder)
+    out["import_verifier"] = "GOT " + str(verifier.__file__)
+    break
 try:
     out["runner_cwd"] = "GOT " + os.readlink(f"/proc/{R}/cwd")
 except OSError as e:

@@ -4,7 +4,10 @@
 openenv-core lives in its own venv (its deps may conflict with ours): create it with
 ``scripts/openenv_venv.sh .openenv-venv`` or point ``CORRAL_OPENENV_PYTHON`` at a python that
 has ``openenv-core`` installed. Without one the tests skip. Each test runs one script in that
-venv against a real server on 127.0.0.1 and checks what the script printed (one JSON line).
+venv against a real server on 127.0.0.1 and checks what the script printed (one JSON line):
+gridsim with both clients, shellcraft in bwrap with both, bad input through
+``GenericEnvClient`` (the error codes it surfaces are OpenEnv's ``WSErrorCode``, which corral's
+``ErrorCode`` must equal).
 """
 
 from __future__ import annotations
@@ -119,6 +122,68 @@ asyncio.run(main(sys.argv[1], json.loads(sys.argv[2])))
 """
 
 
+# GenericEnvClient (plain dicts, no MCP) plays shellcraft: the reference commands as bash
+# steps, then submit; each step's observation and the state as the client parsed them.
+SHELLCRAFT_GENERIC_SCRIPT = """
+import asyncio, json, sys
+from openenv.core import GenericEnvClient
+
+async def main(url, commands):
+    out = {"steps": []}
+    async with GenericEnvClient(base_url=url, message_timeout_s=60) as env:
+        first = await env.reset(split="eval", index=0)
+        out["reset"] = {"observation": first.observation, "done": first.done}
+        for c in commands:
+            r = await env.step({"type": "call_tool", "tool_name": "bash",
+                                "arguments": {"command": c}})
+            out["steps"].append({"observation": r.observation, "done": r.done,
+                                 "reward": r.reward})
+        last = await env.step({"type": "call_tool", "tool_name": "submit", "arguments": {}})
+        out["end"] = {"observation": last.observation, "reward": last.reward, "done": last.done}
+        out["state"] = await env.state()
+    print(json.dumps(out))
+
+asyncio.run(main(sys.argv[1], json.loads(sys.argv[2])))
+"""
+
+# Bad input through GenericEnvClient's own connection and error path: the error each surfaces
+# (the client raises RuntimeError "... (code: X)"; a frame that is not JSON goes out on the
+# client's socket and its answer is read by the client's own receive), and OpenEnv's
+# WSErrorCode members, for comparison with corral's ErrorCode.
+BAD_INPUT_SCRIPT = """
+import asyncio, json, re, sys
+from openenv.core import GenericEnvClient
+from openenv.core.env_server.types import WSErrorCode
+
+def code(exc):
+    found = re.search(r"\\(code: ([A-Z_]+)\\)$", str(exc))
+    return found.group(1) if found else "no code in: " + str(exc)
+
+async def raised(op):
+    try:
+        await op
+    except RuntimeError as exc:
+        return {"code": code(exc), "message": str(exc)}
+    return {"code": None, "message": "no error"}
+
+async def main(url):
+    out = {"ws_error_codes": {m.name: m.value for m in WSErrorCode}}
+    async with GenericEnvClient(base_url=url, message_timeout_s=30) as env:
+        await env.connect()
+        await env._ws.send("{not json")
+        out["bad_json"] = (await env._receive())["data"]
+        out["unknown_type"] = await raised(env._send_and_receive({"type": "teleport"}))
+        out["no_task"] = await raised(env.reset(split="eval", index=10**6))
+        out["no_tool_name"] = await raised(env.step({"type": "call_tool", "arguments": {}}))
+        out["after_errors"] = (await env.reset(split="eval", index=0)).observation["status"]
+        async with GenericEnvClient(base_url=url, message_timeout_s=30) as other:
+            out["capacity"] = await raised(other.reset(split="eval", index=1))
+    print(json.dumps(out))
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
 def openenv_python() -> Path:
     """The venv python holding openenv-core (env var first, then the default path); skips
     the test when there is none."""
@@ -214,3 +279,50 @@ def test_openenv_mcp_tool_client_plays_shellcraft_in_bwrap() -> None:
     assert len(out["outputs"]) == len(commands)
     assert all(isinstance(o, str) for o in out["outputs"])
     assert out["done"] is True and out["reward"] == pytest.approx(1.0)
+
+
+def test_openenv_generic_client_plays_shellcraft_in_bwrap() -> None:
+    """``GenericEnvClient`` (plain dict actions, no MCP client) on a sandboxed bundle: each
+    reference command a ``call_tool`` step of ``bash``, then ``submit``, graded 1."""
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed (apt-get install bubblewrap)")
+    bundle = load_bundle(SHELLCRAFT)
+    task = bundle.task("eval", 0)
+    commands = solve(task.data)
+    with serve(build_app(bundle, sandbox="bwrap")) as url:
+        out = run_openenv(SHELLCRAFT_GENERIC_SCRIPT, url, json.dumps(commands), timeout=300)
+    reset = out["reset"]
+    assert reset["done"] is False and reset["observation"]["task_id"] == task.id
+    assert reset["observation"]["status"] == "running" and reset["observation"]["prompt"]
+    steps = out["steps"]
+    assert len(steps) == len(commands)
+    for step in steps:
+        assert step["done"] is False and step["observation"]["tool_name"] == "bash", step
+        assert step["observation"]["error"] is None, step
+    end = out["end"]
+    assert end["done"] is True and end["reward"] == pytest.approx(1.0), end
+    assert end["observation"]["status"] == "graded" and end["observation"]["tool_name"] == "submit"
+    assert out["state"]["done"] is True
+
+
+def test_openenv_generic_client_surfaces_corrals_error_codes() -> None:
+    """Bad input through OpenEnv's own client: a frame that is not JSON, an unknown message
+    type, two validation errors (no such task; a step without a tool name), and a second
+    client past ``max_concurrent_envs=1``: each answer's code is one of OpenEnv's, and the
+    connection still plays afterwards. corral's ``ErrorCode`` is exactly the installed
+    openenv-core's ``WSErrorCode``."""
+    from corral.envs.protocol import ErrorCode
+
+    bundle = load_bundle(GRIDSIM)
+    app = build_app(bundle, max_concurrent_envs=1, reset_timeout=0.5)
+    with serve(app) as url:
+        out = run_openenv(BAD_INPUT_SCRIPT, url)
+    assert out["ws_error_codes"] == {m.name: m.value for m in ErrorCode}
+    assert out["bad_json"]["code"] == ErrorCode.INVALID_JSON, out["bad_json"]
+    assert out["unknown_type"]["code"] == ErrorCode.UNKNOWN_TYPE, out["unknown_type"]
+    assert "teleport" in out["unknown_type"]["message"]
+    assert out["no_task"]["code"] == ErrorCode.VALIDATION_ERROR, out["no_task"]
+    assert out["no_tool_name"]["code"] == ErrorCode.VALIDATION_ERROR, out["no_tool_name"]
+    assert out["after_errors"] == "running"  # the errors ended nothing: it still plays
+    assert out["capacity"]["code"] == ErrorCode.CAPACITY_REACHED, out["capacity"]
+    assert "1 of 1" in out["capacity"]["message"]

@@ -2,11 +2,13 @@
 
 gridsim plays in this process and shellcraft in bwrap (real sandboxes, one per episode); the
 flawed fixture bundle (tests/fixtures/flawed_bundle, one flaw per split) must fail each check
-with its reason, and nothing else; the CLI runs as a real subprocess.
+with its reason, and nothing else; the CLI runs as a real subprocess (on shellcraft in bwrap
+too).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -111,6 +113,7 @@ FLAWS = {
     "idle_high": (CHECK_DO_NOTHING, "too close to the solver: do-nothing 0.950, solver 1.000"),
     "noisy": (CHECK_DETERMINISTIC, "noisy-0: scores differ between two runs (noise "),
     "leaky": (CHECK_LEAKS, "hidden value 'tok-3273-leaky' in the solver episode's reset prompt"),
+    "echo": (CHECK_LEAKS, "hidden value 'tok-6021-echo' in the solver episode's reply to call 1"),
     "fragile": (CHECK_MALFORMED, "answer: not an object: the env failed: the env raised"),
     "baseline_low": (CHECK_BASELINES, "half: mean 0.500 is not between do-nothing 0.600"),
 }
@@ -133,6 +136,11 @@ def test_the_flawed_bundle_fails_the_bundle_wide_checks(flawed_report: PlayRepor
     assert "env.py holds good-0's answer '79948'" in wide[CHECK_PAYLOAD].detail
     # The leaky split shows the answer too, and one reason line per failed check.
     assert "answer '35173'" in _failed(_split(flawed_report, "leaky"))[CHECK_LEAKS]
+    # Tool results are searched for hidden values, never for answers (the solver reads back
+    # what it wrote): echo's replies name the token, and only the token is reported.
+    echo = _failed(_split(flawed_report, "echo"))[CHECK_LEAKS]
+    assert "echo-1: hidden value 'tok-2718-echo' in the solver episode's reply" in echo
+    assert " answer " not in echo, echo
     assert len(flawed_report.failures()) == 2 + len(FLAWS)
     assert not flawed_report.passed
 
@@ -191,13 +199,16 @@ def test_bad_settings_are_refused() -> None:
         PlaySettings(margin=float("nan"))
 
 
-def _corral(*args: str) -> subprocess.CompletedProcess[str]:
+def _corral(*args: str, columns: int | None = None) -> subprocess.CompletedProcess[str]:
+    """The CLI as a child; ``columns``: the tables' width (one row a line when wide)."""
+    env = {**os.environ, "COLUMNS": str(columns)} if columns else None
     return subprocess.run(
         [sys.executable, "-m", "corral.cli", *args],
         capture_output=True,
         text=True,
         cwd=REPO,
         timeout=240,
+        env=env,
     )
 
 
@@ -264,3 +275,28 @@ async def test_a_bundle_without_a_solver_fails_with_that_reason(tmp_path: Path) 
     assert "declares no [solver]" in failed[CHECK_SOLVER]
     assert failed[CHECK_DO_NOTHING] == "no solver reward to compare with"
     assert CHECK_MALFORMED not in failed  # probed all the same, without a good call after
+
+
+def test_the_cli_validates_shellcraft_by_playing_it_in_bwrap() -> None:
+    """``corral bundle validate bundles/shellcraft --play --sandbox bwrap --tasks 2``: the real
+    CLI as a child, every episode in a bwrap sandbox of its own; exit 0 and its tables."""
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed (apt-get install bubblewrap)")
+    args = ("--play", "--sandbox", "bwrap", "--tasks", "2")
+    out = _corral("bundle", "validate", "bundles/shellcraft", *args, columns=200)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert "shellcraft: bundle-wide checks (sandbox bwrap)" in lines
+    for split in ("train", "eval"):
+        assert f"shellcraft split {split}: 2 task(s), seed 0, max reward 1.000" in lines
+    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in lines if "│" in line]
+    wide = [r[:2] for r in rows if r[0] in (CHECK_SCHEMAS, CHECK_PAYLOAD)]
+    assert wide == [[CHECK_SCHEMAS, "pass"], [CHECK_PAYLOAD, "pass"]]
+    checks = [r[:2] for r in rows if r[0] in SPLIT_CHECKS]
+    assert checks == [[name, "pass"] for name in SPLIT_CHECKS] * 2, checks
+    means = [(r[0], r[2]) for r in rows if r[0] in ("solver", "do-nothing")]
+    assert means == [("solver", "1.000"), ("do-nothing", "0.000")] * 2
+    naive = [r for r in rows if r[0] == "naive"]
+    assert len(naive) == 2 and all(0.0 < float(r[2]) < 1.0 for r in naive), naive
+    assert lines[-1] == "bundles/shellcraft: ok, all 14 play checks pass (sandbox bwrap)"
+    assert " FAIL " not in out.stderr

@@ -27,8 +27,10 @@ Per split, on a seeded sample of ``tasks`` tasks (:func:`sample_tasks`):
   exactly the same scores on every task.
 - ``no leaks``: no hidden value and no answer value (below) appears in an observation the
   model gets before it acted: every episode's reset prompt, the do-nothing episode's
-  ``end_turn`` reply and every reply to the malformed calls. (The solver's and baselines' own
-  tool results are not searched: a policy that wrote the answer may read it back.)
+  ``end_turn`` reply and every reply to the malformed calls; and no hidden value appears in
+  any tool result of the solver's and baselines' episodes either (the env never gets hidden
+  data, so no call may show it). Their tool results are not searched for answers: a policy
+  that wrote the answer may read it back, and the solver's replies are its work towards it.
 - ``malformed calls``: every declared tool answers each call its schema rejects (not an
   object, a required argument missing, an argument of the wrong type, an unknown argument where
   ``additionalProperties`` forbids it; a tool whose schema is invalid is not probed) with
@@ -781,8 +783,20 @@ def _check_leaks(
                 for p in probed.probes
                 if p.content is not None
             ]
-        searched += len(texts)
-        bad += [f"{task.id}: hidden value {f}" for f in _find(hidden, texts)]
+        # The tool results of the policies that act (the solver, the baselines): searched for
+        # hidden values only. The env never gets those (its view drops them), so no tool
+        # result may show one, whatever the call; an answer it may show (a policy that wrote
+        # it reads it back, and the solver's results are its work towards it).
+        results = [
+            (f"the {run.name} episode's reply to call {i}", text)
+            for run in runs
+            if run is not idle
+            for e in run.episodes
+            if e.task_id == task.id
+            for i, text in enumerate(e.observations[1:], 1)
+        ]
+        searched += len(texts) + len(results)
+        bad += [f"{task.id}: hidden value {f}" for f in _find(hidden, texts + results)]
         bad += [f"{task.id}: answer {f}" for f in _find(answers, texts)]
     if bad:
         return Check(CHECK_LEAKS, False, _list(bad)), secrets
