@@ -872,7 +872,7 @@ def test_an_anthropic_tool_loop_is_one_sample(think: ScriptedHistoryStack) -> No
 # The model's side of a gridsim episode: two simulations, then a submission (which ends it). The
 # tiny models cannot play gridsim: greedy, the tiny Qwen3 model writes no tool call there (thinking
 # off or on), so its episodes last one turn and nothing could fork; the scripted engine plays the
-# model instead, through the real player, env server, gateway and Qwen3-style template.
+# model instead, through the real player, env server, gateway and template.
 CHARGE_AT_MIDNIGHT = [1] + [0] * 23
 CYCLE = [1] + [0] * 17 + [-1] + [0] * 5
 GRIDSIM_MOVES = [
@@ -880,54 +880,96 @@ GRIDSIM_MOVES = [
     ("simulate_schedule", CYCLE),
     ("submit_schedule", CYCLE),
 ]
+TURNS = len(GRIDSIM_MOVES)
+# Per template (by its tiny model's fixture: the id tests/tiers.py reads), the gateway settings
+# and the samples of one episode under template history. The Qwen3 template drops the (empty,
+# thinking off) think block of every assistant turn but the last, so each turn's re-rendered
+# prompt forks from the tokens held: one sample per turn. The Qwen 2.5 one is append-only: its
+# re-rendered prompt always extends them, one sample per episode.
+GRIDSIM_TEMPLATES: dict[str, tuple[str, dict[str, Any], int]] = {
+    "tiny_think_model_dir": ("Qwen3", {}, TURNS),
+    "tiny_model_dir": ("Qwen 2.5", {"reasoning_parser": "none", "chat_template_kwargs": {}}, 1),
+}
 
 
+def _check_exact_samples(samples: Sequence[Any], calls: Sequence[Any]) -> None:
+    """``check_exact_sample`` for one played episode's samples (their order is the calls'): each
+    covers its ``num_turns`` engine calls in turn; its tokens are the last one's input + output,
+    its loss mask 1 exactly on the tokens the engine produced, its logprobs the engine's."""
+    k = 0
+    for sample in samples:
+        covered = calls[k : k + sample.metadata["num_turns"]]
+        k += len(covered)
+        assert covered, (k, len(calls))
+        last = covered[-1]
+        assert sample.tokens == last.input_ids + last.output_ids
+        prompt_len = len(covered[0].input_ids)
+        assert sample.response_length == len(sample.tokens) - prompt_len
+        mask = [0] * len(sample.tokens)
+        logprobs = [0.0] * len(sample.tokens)
+        end = 0
+        for call in covered:  # each turn's prompt extends the tokens of the turns before
+            start = len(call.input_ids)
+            assert start >= end
+            end = start + len(call.output_ids)
+            assert sample.tokens[:end] == call.input_ids + call.output_ids
+            assert len(call.logprobs) == len(call.output_ids)
+            mask[start:end] = [1] * len(call.output_ids)
+            logprobs[start:end] = call.logprobs
+        assert sample.loss_mask == mask[prompt_len:]
+        assert sample.rollout_log_probs == pytest.approx(logprobs[prompt_len:], abs=1e-6)
+    assert k == len(calls)
+
+
+@pytest.mark.parametrize("model", list(GRIDSIM_TEMPLATES))
 async def test_gridsim_episodes_are_one_sample_each_under_token_history(
-    tiny_think_model_dir: Path, tmp_path: Path
+    model: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
     from corral.envs.server import build_app
     from corral.gateway.client import GatewayAdmin
     from corral.rollouts.player import Player, Rollout
     from corral.rollouts.rows import Row, RowSettings, write_rows
 
+    template, overrides, forks = GRIDSIM_TEMPLATES[model]
+    model_dir: Path = request.getfixturevalue(model)
     episodes = 3
     out = tmp_path / "rows"
     rollouts: dict[str, list[Rollout]] = {}
     with serve(build_app(ROOT / "bundles" / "gridsim")) as env_url:
-        await asyncio.to_thread(write_rows, env_url, out, RowSettings(max_turns=len(GRIDSIM_MOVES)))
+        await asyncio.to_thread(write_rows, env_url, out, RowSettings(max_turns=TURNS))
         lines = (out / "all.jsonl").read_text().splitlines()
         rows = [Row.model_validate(json.loads(line)) for line in lines][:episodes]
         for mode in ("tokens", "template"):  # the gateway's own setting this time
-            with scripted_stack(tiny_think_model_dir, history=mode) as stack:
+            with scripted_stack(model_dir, history=mode, **overrides) as stack:
                 for _ in rows:
                     for name, schedule in GRIDSIM_MOVES:
                         stack.play(_call_text((name, {"schedule": schedule})))
                 async with GatewayAdmin(stack.url, ADMIN) as admin, Player(admin) as player:
                     rollouts[mode] = [await player.play(row) for row in rows]
                 assert stack.script.pending == 0
-                if mode == "tokens":  # every turn's prompt extends the episode's tokens
-                    calls = stack.engine.calls
-                    for k, call in enumerate(calls):
-                        if k % len(GRIDSIM_MOVES):
-                            held = calls[k - 1].input_ids + calls[k - 1].output_ids
-                            assert call.input_ids[: len(held)] == held, k
+                calls = stack.engine.calls
+                assert len(calls) == episodes * TURNS
+                for e, rollout in enumerate(rollouts[mode]):  # the episodes ran one at a time
+                    _check_exact_samples(rollout.samples, calls[e * TURNS : (e + 1) * TURNS])
     per_rollout = {
         mode: sum(len(r.samples) for r in played) / len(played) for mode, played in rollouts.items()
     }
     figure = (
-        f"gridsim, {episodes} episodes of {len(GRIDSIM_MOVES)} turns, Qwen3 template, thinking "
-        f"off: {per_rollout['tokens']:.2f} samples per rollout under tokens history, "
+        f"gridsim, {episodes} episodes of {TURNS} turns, {template} template, thinking off: "
+        f"{per_rollout['tokens']:.2f} samples per rollout under tokens history, "
         f"{per_rollout['template']:.2f} under template history"
     )
     print("\n" + figure)
     played = [r for rs in rollouts.values() for r in rs]
     assert not any(r.failed for r in played), [r.reason for r in played]
-    assert all(r.turns == len(GRIDSIM_MOVES) for r in played), figure
+    assert all(r.turns == TURNS for r in played), figure
     # The env saw the same moves either way: the same rewards.
     assert [r.reward for r in rollouts["tokens"]] == [r.reward for r in rollouts["template"]]
-    assert per_rollout["tokens"] == 1.0, figure
-    assert per_rollout["template"] > 1.0, figure
+    assert per_rollout == {"tokens": 1.0, "template": float(forks)}, figure
     for r in rollouts["tokens"]:
         (sample,) = r.samples
-        assert sample.metadata["history_modes"] == ["template", "tokens", "tokens"]
-        assert sample.metadata["num_turns"] == len(GRIDSIM_MOVES)
+        assert sample.metadata["history_modes"] == ["template"] + ["tokens"] * (TURNS - 1)
+        assert sample.metadata["num_turns"] == TURNS
+    for r in rollouts["template"]:
+        assert [s.metadata["num_turns"] for s in r.samples] == [TURNS // forks] * forks
+        assert all(set(s.metadata["history_modes"]) == {"template"} for s in r.samples)

@@ -201,6 +201,93 @@ async def test_a_batch_that_cannot_fill_stops_the_run_with_the_reasons(
     assert all(d["tasks"] == ["w-raise"] and "RuntimeError" in d["detail"] for d in dropped)
 
 
+class _NoWeightSync:
+    """The scripted engine runs no model: there is nowhere to push the weights."""
+
+    async def push(self, model: Any, spec: Any, version: str) -> None:
+        pass
+
+
+def _move(tokenizer: Any, name: str, schedule: list[int]) -> list[int]:
+    """A gridsim tool call as the model would have sampled it, then ``<|im_end|>``."""
+    body = json.dumps({"name": name, "arguments": {"schedule": schedule}})
+    ids = list(tokenizer(f"<tool_call>\n{body}\n</tool_call>", add_special_tokens=False).input_ids)
+    return [*ids, int(tokenizer.convert_tokens_to_ids("<|im_end|>"))]
+
+
+async def test_samples_per_rollout_counts_every_fork(
+    tiny_think_model_dir: Path, tmp_path: Path
+) -> None:
+    """One step of one group of two gridsim rollouts, the scripted engine playing the model
+    behind a gateway with template history and the Qwen3-style template, which forks at every
+    turn: one rollout simulates then submits (2 turns, 2 samples), the other submits at once
+    (1 turn, 1 sample). The metrics line says 3 samples, 1.5 per rollout."""
+    from transformers import AutoTokenizer
+
+    from corral.engines.sglang import SGLangClient
+    from corral.gateway.app import build_gateway_app
+    from corral.gateway.pipeline import TurnPipeline
+    from corral.gateway.settings import GatewaySettings
+    from corral.trainer.services import Services
+    from tests.conftest import ROOT
+    from tests.gateway_stack import ADMIN
+    from tests.scripted_engine import ScriptedEngine
+
+    tokenizer: Any = AutoTokenizer.from_pretrained(str(tiny_think_model_dir))
+    engine = ScriptedEngine(
+        eos_token_ids=[int(tokenizer.convert_tokens_to_ids("<|im_end|>"))],
+        decode=lambda ids: str(tokenizer.decode(ids, skip_special_tokens=False)),
+    )
+    settings = GatewaySettings(
+        model_name="tiny",
+        max_context_tokens=32_768,
+        admin_token=ADMIN,
+        engine_timeout_s=60,
+        history="template",
+        reasoning_parser="qwen3",
+        chat_template_kwargs={"enable_thinking": False},
+    )
+    schedule = [1] + [0] * 23
+    # One rollout at a time (concurrency 1), so the engine's requests come in this order.
+    engine.push(
+        _move(tokenizer, "simulate_schedule", schedule),
+        _move(tokenizer, "submit_schedule", schedule),
+        _move(tokenizer, "submit_schedule", schedule),
+    )
+    with serve(build_app(ROOT / "bundles" / "gridsim")) as env_url, serve(engine.app) as engine_url:
+        await asyncio.to_thread(write_rows, env_url, tmp_path / "rows", RowSettings(max_turns=3))
+        rows = read_rows(tmp_path / "rows" / "all.jsonl")[:1]
+        client = SGLangClient(engine_url, timeout=60, retries=0)
+        pipeline = TurnPipeline(settings, client, tokenizer)
+        with serve(build_gateway_app(settings, client, pipeline)) as gateway_url:
+            services = Services(
+                gateway=gateway_url,
+                admin_token=ADMIN,
+                train_rows=rows,
+                eval_rows=[],
+                weight_sync=_NoWeightSync(),
+                model_path=tiny_think_model_dir,
+            )
+            config = _config(
+                tmp_path / "run",
+                rollout={"groups_per_step": 1, "concurrency": 1, "max_tokens": 256},
+                optim={"max_tokens_per_micro_batch": 8192},
+                schedule={"steps": 1, "eval_every": 0, "checkpoint_every": 0},
+            )
+            await _train(config, services)
+    assert engine.pending == 0 and len(engine.requests) == 3
+    (line,) = read_metrics(tmp_path / "run")
+    assert line["rollouts"] == 2 and line["rollouts_failed"] == 0
+    assert line["samples"] == 3
+    assert line["samples_per_rollout"] == 1.5
+    # What the step trained on: per rollout (session), its samples' turns.
+    text = (tmp_path / "run" / "rollouts" / "update-000001" / "samples.jsonl").read_text()
+    turns: dict[str, list[int]] = {}
+    for sample in map(json.loads, text.splitlines()):
+        turns.setdefault(sample["rollout_id"], []).append(sample["metadata"]["num_turns"])
+    assert sorted(turns.values()) == [[1], [1, 1]]
+
+
 def test_config_errors_name_the_field(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text("[rollout]\ngroups_per_step = 0\n")
