@@ -51,6 +51,19 @@ Every number is a ratio against a baseline measured in the same run (these machi
    After the last turn: samples per session (one per trajectory) and the turns built from held
    tokens.
 
+5. Worker processes (``--workers 1 2 4`` runs this part alone). One ``corral gateway --workers
+   N`` per N in front of one stand-in engine (as in part 2), and ``--workers N[0] --journal DIR
+   --journal-sync interval``, all started at once; then ``--workers-rounds`` rounds in which each
+   gateway in turn (the order rotating) plays ``--workers-sessions`` (1,000) concurrent Chat
+   Completions sessions of ``--workers-turns`` turns (turn 1 untimed), each answering the
+   stand-in's tool call, the sessions deleted after the round. Per N: turns/s, CPU per turn
+   (schedstat, summed over the parent and the workers, over the timed window), both as medians
+   and as the median of the per-round ratios to the first N; the share of turns forwarded to
+   their session's owner; sessions per worker and RSS growth per session (round 1). The journal
+   row: the journal's own time on the loop (its ``/metrics`` counter) over the journalled
+   gateway's CPU in the same window (target under 10%), CPU per turn against the journal-less
+   gateway (the per-round ratios, then the median: noisier), and the journal's bytes per turn.
+
 Last, the targets, each PASS or FAIL (the exit status is 1 when one fails): the same engine
 prompt ids in every dialect; per dialect and mode, added latency p50 at most 1 ms (at the lowest
 concurrency) and a throughput ratio of at least 0.9 (at the highest); every dialect's CPU per
@@ -1525,6 +1538,276 @@ def targets_table(
 # ---- main ------------------------------------------------------------------------------------
 
 
+# ---- part 5: worker processes ------------------------------------------------------------------
+
+
+@dataclass
+class WorkersRound:
+    """One round of the workers part's load on one gateway."""
+
+    turns: int
+    elapsed: float
+    cpu: float  # the gateway's processes (parent + workers), schedstat seconds, timed window
+    rss: int  # growth over the round's sessions, bytes
+    forwarded: int  # timed turns another worker took and forwarded to the owner
+    owners: dict[int, int]  # sessions per worker
+    journal_s: float = 0.0  # the journal's own time on the loop (its /metrics), timed window
+
+    @property
+    def rate(self) -> float:
+        return self.turns / self.elapsed
+
+    @property
+    def cpu_per_turn(self) -> float:
+        return self.cpu / self.turns
+
+
+@dataclass
+class WorkersGateway:
+    """One ``corral gateway --workers N`` (with ``--journal`` or not) and its rounds."""
+
+    name: str
+    workers: int
+    url: str
+    pids: list[int]
+    journal: Path | None = None
+    rounds: list[WorkersRound] = field(default_factory=list)
+
+    def median(self, value: str) -> float:
+        return statistics.median(getattr(r, value) for r in self.rounds)
+
+
+def gateway_pids(parent: int) -> list[int]:
+    """The gateway's processes: ``parent`` and its children (the workers)."""
+    children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+    return [parent, *map(int, children)]
+
+
+def _worker_of(session_id: str) -> int:
+    head, dot, _ = session_id.partition(".")
+    return int(head[1:]) if dot and head[:1] == "w" and head[1:].isdigit() else 0
+
+
+async def worker_round(
+    gw: WorkersGateway, sessions: int, turns: int, progress: Progress
+) -> WorkersRound:
+    """``sessions`` Chat Completions sessions at once, each answering the stand-in engine's
+    tool call with a short result for ``turns`` turns; turn 1 (the whole prompt encoded) is
+    untimed; the sessions are deleted at the end (so every round starts from the same
+    state)."""
+    system = "You are a coding agent. Read files with the Read tool, then answer."
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    async with aiohttp.ClientSession(connector=_connector()) as http:
+        rss0 = sum(rss_bytes(p) for p in gw.pids)
+        made = await asyncio.gather(*(new_session(http, gw.url) for _ in range(sessions)))
+        convs = [
+            [{"role": "system", "content": system}, {"role": "user", "content": f"task {k}"}]
+            for k in range(sessions)
+        ]
+        forwarded = 0
+        task = progress.add_task(f"{gw.name}: {sessions} sessions", total=sessions * turns)
+
+        async def turn(k: int, timed: bool) -> None:
+            nonlocal forwarded
+            s, messages = made[k], convs[k]
+            body = json.dumps({"model": MODEL_NAME, "messages": messages, "max_tokens": 32})
+            headers = {"Authorization": f"Bearer {s['api_key']}"}
+            headers["Content-Type"] = "application/json"
+            async with http.post(
+                f"{s['base_url']}/chat/completions", data=body.encode(), headers=headers
+            ) as r:
+                raw = await r.read()
+                if r.status != 200:
+                    raise RuntimeError(f"turn answered {r.status}: {raw.decode()[:500]}")
+                if timed and "x-corral-forwarded-by" in r.headers:
+                    forwarded += 1
+            message = json.loads(raw)["choices"][0]["message"]
+            messages.append(message)
+            for call in message.get("tool_calls") or []:
+                result = f"line {len(messages)}"
+                messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+            progress.advance(task)
+
+        await asyncio.gather(*(turn(k, False) for k in range(sessions)))
+        for p in gw.pids:
+            await settle(p)
+        journal0 = await journal_seconds(http, gw) if gw.journal is not None else 0.0
+        cpu0 = sum(cpu_seconds_fine(p) for p in gw.pids)
+        t0 = time.perf_counter()
+
+        async def rest(k: int) -> None:
+            for _ in range(turns - 1):
+                await turn(k, True)
+
+        await asyncio.gather(*(rest(k) for k in range(sessions)))
+        elapsed = time.perf_counter() - t0
+        cpu = sum(cpu_seconds_fine(p) for p in gw.pids) - cpu0
+        journal_s = (await journal_seconds(http, gw) - journal0) if gw.journal is not None else 0.0
+        rss = sum(rss_bytes(p) for p in gw.pids) - rss0
+        owners: dict[int, int] = {}
+        for s in made:
+            owners[_worker_of(s["id"])] = owners.get(_worker_of(s["id"]), 0) + 1
+
+        async def delete(s: dict[str, Any]) -> None:
+            async with http.delete(f"{gw.url}/sessions/{s['id']}", headers=admin) as r:
+                r.raise_for_status()
+
+        await asyncio.gather(*(delete(s) for s in made))
+        progress.remove_task(task)
+    return WorkersRound(
+        sessions * (turns - 1), elapsed, cpu, rss, forwarded, owners, journal_s=journal_s
+    )
+
+
+async def journal_seconds(http: aiohttp.ClientSession, gw: WorkersGateway) -> float:
+    """The journal's time on the gateway's loop so far, summed over workers (/metrics)."""
+    async with http.get(f"{gw.url}/metrics") as r:
+        text = await r.text()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("corral_gateway_journal_seconds_total")
+    )
+
+
+@contextmanager
+def workers_gateway(
+    name: str,
+    model: str,
+    env: dict[str, str],
+    stand_in: str,
+    workers: int,
+    sessions: int,
+    journal: Path | None = None,
+) -> Iterator[WorkersGateway]:
+    gp = free_port()
+    url = f"http://127.0.0.1:{gp}"
+    argv = [
+        *(sys.executable, "-m", "corral.cli", "gateway"),
+        *("--engine-url", stand_in, "--model", model, "--port", str(gp)),
+        *("--admin-token-var", ADMIN_VAR, "--served-model-name", MODEL_NAME),
+        *("--workers", str(workers), "--log-level", "warning"),
+        *("--max-sessions", str(2 * sessions)),
+    ]
+    if journal is not None:
+        argv += ["--journal", str(journal), "--journal-sync", "interval"]
+    with process(argv, env, f"{url}/health") as proc:
+        yield WorkersGateway(name, workers, url, gateway_pids(proc.pid), journal)
+
+
+def workers_part(args: argparse.Namespace, env: dict[str, str], console: Console) -> None:
+    """Part 5: ``corral gateway --workers N`` for each N, and ``--journal`` at the first N, all
+    started at once in front of one stand-in engine, then ``--workers-rounds`` rounds in
+    which each gateway in turn (the order rotating) plays the same load: medians over the
+    rounds; ratios are the medians of per-round ratios (within a round they ran back to back,
+    the machine about the same)."""
+    model = args.model or str(cached_tiny_model("qwen25"))
+    sp = free_port()
+    stand_in = f"http://127.0.0.1:{sp}"
+    me = [sys.executable, str(Path(__file__).resolve()), "--model", model]
+    n = args.workers_sessions
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(
+            process([*me, "--serve", "stand-in", "--port", str(sp)], env, f"{stand_in}/health")
+        )
+        gateways = [
+            stack.enter_context(workers_gateway(f"--workers {w}", model, env, stand_in, w, n))
+            for w in args.workers
+        ]
+        folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-j-")))
+        journaled = stack.enter_context(
+            workers_gateway(
+                f"--workers {args.workers[0]} --journal",
+                model,
+                env,
+                stand_in,
+                args.workers[0],
+                n,
+                folder / "journal",
+            )
+        )
+        everyone = [*gateways, journaled]
+        progress = stack.enter_context(Progress(console=console, transient=True))
+        for r in range(args.workers_rounds):
+            for gw in everyone[r % len(everyone) :] + everyone[: r % len(everyone)]:
+                gw.rounds.append(asyncio.run(worker_round(gw, n, args.workers_turns, progress)))
+        journal_bytes = sum(
+            f.stat().st_size for f in (folder / "journal").rglob("*") if f.is_file()
+        )
+    base = gateways[0]
+
+    def paired(gw: WorkersGateway, value: str) -> float:
+        return statistics.median(
+            getattr(a, value) / getattr(b, value)
+            for a, b in zip(gw.rounds, base.rounds, strict=True)
+        )
+
+    table = Table(
+        title=f"corral gateway --workers N: {n} concurrent sessions, {args.workers_turns - 1} "
+        f"timed turns each (Chat Completions, stand-in engine), median of "
+        f"{args.workers_rounds} rounds; {os.cpu_count()} cores shared by the gateway, the load "
+        "generator and the engine"
+    )
+    for col in (
+        "workers",
+        "turns/s",
+        f"vs --workers {base.workers}",
+        "CPU ms/turn",
+        f"CPU vs --workers {base.workers}",
+        "forwarded",
+        "sessions per worker (round 1)",
+        "RSS kB/session (round 1)",
+    ):
+        table.add_column(col, justify="right")
+    for gw in gateways:
+        first = gw.rounds[0]
+        table.add_row(
+            str(gw.workers),
+            f"{gw.median('rate'):.0f}",
+            f"{paired(gw, 'rate'):.2f}x",
+            f"{gw.median('cpu_per_turn') * 1e3:.2f}",
+            f"{paired(gw, 'cpu_per_turn'):.2f}x",
+            f"{statistics.median(r.forwarded / r.turns for r in gw.rounds):.0%}",
+            " ".join(str(first.owners.get(k, 0)) for k in range(gw.workers)),
+            f"{first.rss / n / 1e3:.1f}",
+        )
+    console.print(table)
+    # The journal's share of its gateway's CPU, measured inside the same run (its own time on
+    # the loop, from /metrics, over the gateway processes' CPU): free of the run-to-run noise
+    # that the paired comparison with the journal-less gateway carries on a shared machine.
+    share = statistics.median(r.journal_s / r.cpu for r in journaled.rounds)
+    extra = paired(journaled, "cpu_per_turn") - 1
+    per_round = ", ".join(
+        f"{a.cpu_per_turn / b.cpu_per_turn - 1:+.0%}"
+        for a, b in zip(journaled.rounds, base.rounds, strict=True)
+    )
+    table = Table(title=f"the journal's cost at --workers {base.workers} (same load, same rounds)")
+    for col in (
+        "run",
+        "turns/s",
+        "CPU ms/turn",
+        "journal ms/turn",
+        "journal / turn CPU",
+        "CPU vs no journal",
+        "journal B/turn",
+    ):
+        table.add_column(col, justify="right")
+    table.add_row(
+        "no journal", f"{base.median('rate'):.0f}", f"{base.median('cpu_per_turn') * 1e3:.2f}"
+    )
+    turns = sum(r.turns + n for r in journaled.rounds)  # the untimed first turns wrote too
+    table.add_row(
+        "--journal-sync interval",
+        f"{journaled.median('rate'):.0f}",
+        f"{journaled.median('cpu_per_turn') * 1e3:.2f}",
+        f"{statistics.median(r.journal_s / r.turns for r in journaled.rounds) * 1e3:.3f}",
+        f"{share:.1%} (target < 10%) {mark(share < 0.1)}",
+        f"{extra:+.1%} (rounds: {per_round})",
+        f"{journal_bytes / turns:.0f} (live)" if journal_bytes else "0 (compacted away)",
+    )
+    console.print(table)
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -1579,6 +1862,22 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--memory-sessions", type=int, help="sessions for the memory fill (32)")
     parser.add_argument("--memory-turns", type=int, help="turns per memory session (30)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        nargs="+",
+        help="part 5 alone: corral gateway --workers N for each N (e.g. 1 2 4), then the "
+        "journal's cost at the first",
+    )
+    parser.add_argument(
+        "--workers-sessions", type=int, default=1000, help="concurrent sessions in part 5"
+    )
+    parser.add_argument(
+        "--workers-turns", type=int, default=5, help="turns per session in part 5 (1 untimed)"
+    )
+    parser.add_argument(
+        "--workers-rounds", type=int, default=3, help="rounds of part 5's load per gateway"
+    )
     # The bench's own child processes.
     parser.add_argument("--serve", choices=["gateway", "stand-in"], help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -1799,6 +2098,10 @@ def main() -> int:
     problems: list[str] = []
     steps = None
     report = at_turns(args.long_report, args.long_turns)
+    if args.workers:
+        workers_part(args, env, console)
+        console.print(f"took {time.perf_counter() - started:.0f} s")
+        return 0
     if not args.only_history:
         model = args.model
         if model is None:

@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -27,6 +28,14 @@ _POLL_S = 0.2
 
 class ChildServerError(RuntimeError):
     """A child server exited, or did not answer its health check, before it was ready."""
+
+
+@dataclass(frozen=True)
+class ChildServer:
+    """A running child server: its base URL and its process (for a test that kills it)."""
+
+    url: str
+    process: subprocess.Popen[bytes]
 
 
 @contextmanager
@@ -47,6 +56,23 @@ def serve_in_process(
     ``ready_timeout`` seconds. On exit the child gets SIGTERM (the servers shut down
     gracefully), then SIGKILL after 15 s.
     """
+    with child_server(
+        argv, log=log, host=host, port=port, ready_timeout=ready_timeout, env=env
+    ) as child:
+        yield child.url
+
+
+@contextmanager
+def child_server(
+    argv: Sequence[str],
+    *,
+    log: Path,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    ready_timeout: float = 300.0,
+    env: Mapping[str, str] | None = None,
+) -> Iterator[ChildServer]:
+    """:func:`serve_in_process`, yielding the :class:`ChildServer` (same contract)."""
     port = port or free_port(host)
     log.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "corral.cli", *argv, "--host", host, "--port", str(port)]
@@ -61,7 +87,7 @@ def serve_in_process(
         )
     try:
         _wait_ready(child, url, log, ready_timeout, " ".join(argv[:1]))
-        yield url
+        yield ChildServer(url, child)
     finally:
         _stop(child)
 

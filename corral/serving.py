@@ -32,10 +32,12 @@ from corral.transport import KEEP_ALIVE_S, TransportLimits, hardened_config
 __all__ = [
     "KEEP_ALIVE_S",
     "BindError",
+    "bind_socket",
     "free_port",
     "serve_forever",
     "serve_in_loop",
     "serve_in_thread",
+    "serve_sockets_forever",
 ]
 
 # uvicorn's own logger: the "Uvicorn running on ..." line goes where uvicorn's lines go.
@@ -81,6 +83,14 @@ def _bind(host: str, port: int) -> socket.socket:
         raise _bind_error(host, port, exc) from exc
     sock.setblocking(False)
     return sock
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``(host, port)``, not yet listening, for a server that serves it
+    from other processes (``corral gateway --workers``: each worker's uvicorn listens on it
+    once its app has started, so until the first one has, a client is refused). Raises
+    :class:`BindError`."""
+    return _bind(host, port)
 
 
 def _ignore_signal(signum: int, frame: Any) -> None:
@@ -222,6 +232,33 @@ def serve_forever(
         server.run(sockets=[sock])
     finally:
         sock.close()
+
+
+def serve_sockets_forever(
+    app: Any,
+    sockets: list[socket.socket],
+    *,
+    address: tuple[str, int],
+    limits: TransportLimits | None = None,
+    log_level: str = "info",
+    access_log: bool = False,
+    timeout_graceful_shutdown: float | None = None,
+) -> None:
+    """:func:`serve_forever` on sockets bound elsewhere (e.g. a TCP socket inherited from a
+    parent process, :func:`bind_socket`, and a Unix socket of this process): each is listened
+    on once the app's startup is done. ``address`` is the host and port the log line names.
+    The sockets stay the caller's to close."""
+    host, port = address
+    config = _config(
+        app,
+        limits,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=access_log,
+        timeout_graceful_shutdown=timeout_graceful_shutdown,
+    )
+    _Server(config, address, embedded=False).run(sockets=sockets)
 
 
 def _embedded_config(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,10 +125,17 @@ class Stack(Admin):
 def check_exact_sample(stack: Stack, session_id: str, turns: int) -> dict[str, Any]:
     """The session holds one sample whose tokens are the engine's last input + output, whose
     mask is 1 exactly on tokens the engine produced, and whose logprobs are the engine's."""
-    calls = stack.engine.calls[-turns:]
     samples = stack.samples(session_id)
     assert len(samples) == 1, stack.view(session_id)["drift"]
-    sample = samples[0]
+    check_exact_calls(samples[0], stack.engine.calls[-turns:], turns)
+    return dict(samples[0])
+
+
+def check_exact_calls(sample: dict[str, Any], calls: Sequence[Any], turns: int) -> None:
+    """``sample`` holds exactly ``calls`` (the engine's requests of its ``turns`` turns, first
+    first; anything with ``input_ids``, ``output_ids`` and ``logprobs``): the last prompt and
+    its output, the mask 1 exactly on the engine's outputs, the engine's logprobs."""
+    assert len(calls) == turns
     last = calls[-1]
     assert sample["tokens"] == last.input_ids + last.output_ids
     prompt_len = len(calls[0].input_ids)
@@ -144,7 +151,6 @@ def check_exact_sample(stack: Stack, session_id: str, turns: int) -> dict[str, A
     assert sample["loss_mask"] == expected_mask[prompt_len:]
     assert sample["rollout_log_probs"] == pytest.approx(expected_lp[prompt_len:], abs=1e-6)
     assert sample["metadata"]["num_turns"] == turns
-    return dict(sample)
 
 
 @contextmanager

@@ -82,6 +82,10 @@ def gateway_values(args: argparse.Namespace) -> dict[str, Any]:
         "max_sessions": args.max_sessions,
         "max_held_tokens": args.max_held_tokens,
         "session_ttl_s": args.session_ttl,
+        "engine_timeout_s": args.engine_timeout,
+        "journal_dir": args.journal,
+        "journal_sync": args.journal_sync,
+        "workers": args.workers,
         "served_model_name": args.served_model_name,
     }
 
@@ -104,6 +108,10 @@ def gateway_values(args: argparse.Namespace) -> dict[str, Any]:
             max_sessions=3,
             max_held_tokens=1000,
             session_ttl_s=12.5,
+            engine_timeout_s=42.0,
+            journal_dir=Path("/j"),
+            journal_sync="always",
+            workers=3,
             served_model_name="policy",
         ),
         GatewayLaunch(

@@ -30,6 +30,7 @@ from corral.envs.settings import (
 from corral.gateway.settings import (
     DEFAULT_CLIENT_TEMPLATE_KWARGS,
     HISTORY_MODES,
+    JOURNAL_SYNCS,
     GatewaySettings,
 )
 from corral.sandboxes.base import SandboxError
@@ -62,7 +63,43 @@ def cmd_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gateway_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The keywords of ``create_gateway`` (after the engine URL and the model) the flags ask
+    for, tokens aside."""
+    options: dict[str, Any] = {
+        "engine_api": args.engine_api,
+        "tool_call_parser": args.tool_call_parser,
+        "reasoning_parser": args.reasoning_parser,
+        "chat_template_kwargs": args.chat_template_kwargs,
+        "client_template_kwargs": frozenset(args.chat_template_kwargs_allow),
+        "history": args.history,
+        "max_sessions": args.max_sessions,
+        "max_held_tokens": args.max_held_tokens,
+        "session_ttl_s": args.session_ttl,
+        "engine_timeout_s": args.engine_timeout,
+        "journal_dir": args.journal,
+        "journal_sync": args.journal_sync,
+    }
+    if args.served_model_name:
+        options["model_name"] = args.served_model_name
+    return options
+
+
+def _claim_journal(journal: Path | None, workers: int) -> None:
+    """Refuse a journal folder written with another ``--workers``; mark a new one."""
+    if journal is None:
+        return
+    from corral.gateway.workers import JournalLayoutError, claim_journal
+
+    try:
+        claim_journal(journal, workers)
+    except JournalLayoutError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def cmd_gateway(args: argparse.Namespace) -> int:
+    if args.workers < 1:
+        raise UsageError(f"--workers must be at least 1, got {args.workers}")
     admin_token = token_from_env(args.admin_token_var, "--admin-token-var")
     engine_token = token_from_env(args.engine_token_var, "--engine-token-var")
     model = model_folder(args.model)
@@ -72,28 +109,26 @@ def cmd_gateway(args: argparse.Namespace) -> int:
             "--admin-token-var",
             open_warning="session management is open to anyone who can reach this port",
         )
-    from corral.gateway.server import create_gateway
-    from corral.serving import serve_forever
-
-    app = create_gateway(
-        args.engine_url,
-        model,
-        engine_api=args.engine_api,
-        engine_token=engine_token,
-        admin_token=admin_token,
-        tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser,
-        chat_template_kwargs=args.chat_template_kwargs,
-        client_template_kwargs=frozenset(args.chat_template_kwargs_allow),
-        history=args.history,
-        max_sessions=args.max_sessions,
-        max_held_tokens=args.max_held_tokens,
-        session_ttl_s=args.session_ttl,
-        **({"model_name": args.served_model_name} if args.served_model_name else {}),
-    )
+    _claim_journal(args.journal, args.workers)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.workers > 1:
+        return _gateway_workers(args, model, admin_token, engine_token)
+    from corral.gateway.journal import JournalError
+    from corral.gateway.server import create_gateway
+    from corral.serving import serve_forever
+
+    try:
+        app = create_gateway(
+            args.engine_url,
+            model,
+            admin_token=admin_token,
+            engine_token=engine_token,
+            **_gateway_options(args),
+        )
+    except JournalError as exc:  # a damaged journal, or a folder it cannot use
+        raise RunError(str(exc)) from None
     # No per-request access log by default: on the hot path it costs more than the gateway.
     with listening(args.host, args.port):
         serve_forever(
@@ -105,6 +140,43 @@ def cmd_gateway(args: argparse.Namespace) -> int:
             access_log=args.access_log,
         )
     return 0
+
+
+def _gateway_workers(
+    args: argparse.Namespace, model: Path, admin_token: str | None, engine_token: str | None
+) -> int:
+    """``--workers N`` (N > 1): this process binds the address and supervises N worker
+    processes serving it (corral.gateway.workers); it loads no model itself."""
+    import dataclasses
+
+    from corral.gateway.workers import WorkerSpec, json_options, run_workers
+    from corral.serving import bind_socket
+
+    spec = WorkerSpec(
+        index=0,
+        workers=args.workers,
+        listen_fd=-1,
+        parent_fd=-1,
+        host=args.host,
+        port=args.port,
+        socket_dir="",
+        secret="",
+        engine_url=args.engine_url,
+        model=str(model),
+        options=json_options(_gateway_options(args)),
+        admin_token=admin_token,
+        engine_token=engine_token,
+        limits=dataclasses.asdict(transport_limits(args)),
+        log_level=args.log_level,
+        access_log=args.access_log,
+    )
+    with listening(args.host, args.port):
+        listener = bind_socket(args.host, args.port)
+    try:
+        bound = int(listener.getsockname()[1])
+        return run_workers(dataclasses.replace(spec, port=bound), listener)
+    finally:
+        listener.close()
 
 
 def _agent_clis(flag: str | None) -> Path | None:
@@ -267,6 +339,35 @@ def _add_gateway(sub: Any) -> None:
         type=float,
         default=GatewaySettings.session_ttl_s,
         help="seconds idle before a session is dropped",
+    )
+    gateway.add_argument(
+        "--engine-timeout",
+        type=float,
+        default=GatewaySettings.engine_timeout_s,
+        metavar="S",
+        help="seconds an engine request may take (a streamed one: between outputs)",
+    )
+    gateway.add_argument(
+        "--journal",
+        type=Path,
+        metavar="DIR",
+        help="append every session's turns and events to a journal in DIR; a gateway started "
+        "on the same DIR goes on with every live session",
+    )
+    gateway.add_argument(
+        "--journal-sync",
+        choices=JOURNAL_SYNCS,
+        default=GatewaySettings.journal_sync,
+        help="when journal writes are made durable: always (before each answer goes out), "
+        "interval (every second) or never (when the OS decides); a killed gateway loses "
+        "nothing under any of them, a crashed machine what was not yet synced",
+    )
+    gateway.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="worker processes behind the one address, each owning the sessions it creates",
     )
     gateway.add_argument("--access-log", action="store_true", help="log every request")
     add_transport_flags(gateway)

@@ -45,6 +45,7 @@ from corral.engines.errors import (
     EngineError,
     EngineNoWorker,
     EngineProtocolError,
+    EngineStatusError,
     EngineTimeout,
     EngineUnavailable,
 )
@@ -96,20 +97,6 @@ _CONNECT_TIMEOUT: tuple[type[Exception], ...] = (
 )
 # Closings of sessions left behind in another loop, referenced until they finish.
 _CLOSING: set[asyncio.Task[None]] = set()
-
-
-class EngineStatusError(EngineProtocolError):
-    """The engine answered with an error: a non-2xx status, or an error object mid-stream.
-
-    ``status_code`` is the HTTP status (200 for an error object inside a 200 stream);
-    ``engine_message`` is the engine's own message (SGLang's ``error.message``, FastAPI's
-    ``detail``, or the body's text), so a gateway can pass a 400 on as a 400.
-    """
-
-    def __init__(self, message: str, *, status_code: int, engine_message: str) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.engine_message = engine_message
 
 
 class SGLangClient:

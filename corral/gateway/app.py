@@ -33,6 +33,7 @@ from corral.gateway.dialects.base import Dialect, RequestContext, validate
 from corral.gateway.dialects.chat_completions import ChatCompletions
 from corral.gateway.dialects.openai_responses import OpenAIResponses
 from corral.gateway.errors import GatewayError, bad_request
+from corral.gateway.journal import SessionJournal
 from corral.gateway.json_body import json_object
 from corral.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from corral.gateway.middleware import BodyLimit, RequestId, speaks_anthropic
@@ -79,26 +80,44 @@ def build_gateway_app(
     *,
     store: SessionStore | None = None,
     startup_check: Callable[[], Awaitable[None]] | None = None,
+    engine_states: Callable[[], list[dict[str, Any]] | None] | None = None,
 ) -> Starlette:
     """The gateway app. ``settings.admin_token`` None leaves session management open (local
     use only); otherwise every management route needs it as a bearer token.
 
     ``startup_check`` runs in the background once the app has started (it must not raise;
     :func:`corral.gateway.server.check_engine` logs whether the engine answers), so that a
-    slow engine does not hold the gateway's start-up. The log: one line per failed request
-    (:func:`_log_failure`), nothing per successful one."""
+    slow engine does not hold the gateway's start-up. ``engine_states``: each engine's state
+    for ``/health``'s body (several engines behind a health monitor; None: not listed). The
+    log: one line per failed request (:func:`_log_failure`), nothing per successful one."""
     store = store or SessionStore(
         max_sessions=settings.max_sessions,
         max_held_tokens=settings.max_held_tokens,
         default_ttl_s=settings.session_ttl_s,
         decode=lambda ids: str(pipeline.tokenizer.decode(list(ids), skip_special_tokens=False)),
+        id_prefix=settings.session_id_prefix,
     )
-    metrics = GatewayMetrics(store)
+    journal: SessionJournal | None = None
+    if settings.journal_dir is not None:
+        journal = SessionJournal(settings.journal_dir, sync=settings.journal_sync)
+        restored = journal.restore_into(store)
+    metrics = GatewayMetrics(store, journal)
     chat, messages, responses = ChatCompletions(), AnthropicMessages(), OpenAIResponses()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if journal is not None:  # said here: the CLI sets up logging after building the app
+            log.info(
+                "journal %s: %d live sessions rebuilt (%d turns)%s",
+                journal.folder,
+                restored.sessions,
+                restored.turns,
+                ", a torn last record dropped" if restored.torn else "",
+            )
         reaper = asyncio.create_task(_reap_forever(store))
+        syncer = None
+        if journal is not None and journal.sync == "interval":
+            syncer = asyncio.create_task(journal.sync_every())
         checking: asyncio.Future[None] | None = None
         if startup_check is not None:
             checking = asyncio.ensure_future(startup_check())
@@ -106,8 +125,12 @@ def build_gateway_app(
             yield
         finally:
             reaper.cancel()
+            if syncer is not None:
+                syncer.cancel()
             if checking is not None:
                 checking.cancel()
+            if journal is not None:
+                journal.close()
             await engine.aclose()
 
     # Plain Starlette, not FastAPI: every handler parses its own body (to answer in its
@@ -157,6 +180,12 @@ def build_gateway_app(
         except SessionNotFound as exc:
             raise GatewayError("not_found", str(exc), code="session_not_found") from None
 
+    async def durable() -> None:
+        """Under ``--journal-sync always``: return once the journal holds what was just done
+        on disk (called before a change's answer goes out)."""
+        if journal is not None:
+            await journal.durable()
+
     # -- session management ----------------------------------------------------------------
 
     @route("/sessions", "POST")
@@ -176,6 +205,7 @@ def build_gateway_app(
         created = SessionCreated(
             id=session.id, base_url=root + "/v1", anthropic_base_url=root, api_key=session.api_key
         )
+        await durable()
         return JSONResponse(created.model_dump(), status_code=201)
 
     @route("/sessions", "GET")
@@ -203,6 +233,7 @@ def build_gateway_app(
             session.set_reward(body.reward)
         except ValueError as exc:
             raise bad_request(str(exc), param="reward") from None
+        await durable()
         return JSONResponse({"id": session_id, "reward": session.reward})
 
     @route("/sessions/{session_id}/fail", "POST")
@@ -210,6 +241,7 @@ def build_gateway_app(
         require_admin(request)
         body = validate(FailBody, json_object(await request.body(), settings.max_json_depth))
         session_for(session_id).mark_failed(body.reason)
+        await durable()
         return JSONResponse({"id": session_id, "failure": body.reason})
 
     @route("/sessions/{session_id}/samples", "GET")
@@ -225,6 +257,7 @@ def build_gateway_app(
             store.delete(session_id)
         except SessionNotFound as exc:
             raise GatewayError("not_found", str(exc), code="session_not_found") from None
+        await durable()
         return JSONResponse({"id": session_id, "deleted": True})
 
     # -- the dialects ------------------------------------------------------------------------
@@ -288,18 +321,20 @@ def build_gateway_app(
             answer: Answer, streamed: list[TurnEvent] | None = None
         ) -> None:  # async: no thread hop per request
             try:
-                pipeline.commit(session, answer)
-                # What a retry of this request gets: a stream replays as it went out.
-                session.remember(
-                    replay_key,
-                    answer.result
-                    if streamed is None
-                    else StreamedAnswer(answer.result, tuple(compact_events(streamed))),
-                )
+                with journal.together() if journal is not None else contextlib.nullcontext():
+                    pipeline.commit(session, answer)
+                    # What a retry of this request gets: a stream replays as it went out.
+                    session.remember(
+                        replay_key,
+                        answer.result
+                        if streamed is None
+                        else StreamedAnswer(answer.result, tuple(compact_events(streamed))),
+                    )
                 metrics.outcomes.labels("recorded").inc()
                 metrics.turn(dialect.name, answer.result.usage)
             except SessionClosed:
                 metrics.outcomes.labels("session_closed").inc()
+            await durable()
 
         if turn_request.stream:
             answers: list[Answer] = []
@@ -465,10 +500,11 @@ def build_gateway_app(
     @route("/health", "GET")
     async def health(request: Request) -> JSONResponse:
         engine_ok = await engine.health()
-        return JSONResponse(
-            {"status": "ok" if engine_ok else "degraded", "engine": engine_ok},
-            status_code=200 if engine_ok else 503,
-        )
+        body: dict[str, Any] = {"status": "ok" if engine_ok else "degraded", "engine": engine_ok}
+        states = engine_states() if engine_states is not None else None
+        if states is not None:
+            body["engines"] = states
+        return JSONResponse(body, status_code=200 if engine_ok else 503)
 
     @route("/metrics", "GET")
     async def prometheus(request: Request) -> Response:

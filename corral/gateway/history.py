@@ -173,6 +173,10 @@ class ConversationIndex:
     def clear(self) -> None:
         self._held.clear()
 
+    def held(self, trajectory: int) -> HeldConversation | None:
+        """The conversation held for ``trajectory``, if any (not marked used)."""
+        return self._held.get(trajectory)
+
     def record(self, trajectory: int, appended: bool, turn: TurnConversation) -> None:
         """Remember ``turn`` on ``trajectory``: added to its points when it was appended to it
         and resends its conversation, else as the trajectory's only turn."""

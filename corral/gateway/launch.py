@@ -16,7 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from corral.engines.client import EngineApi
-from corral.gateway.settings import DEFAULT_CLIENT_TEMPLATE_KWARGS, GatewaySettings, HistoryMode
+from corral.gateway.settings import (
+    DEFAULT_CLIENT_TEMPLATE_KWARGS,
+    GatewaySettings,
+    HistoryMode,
+    JournalSync,
+)
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,10 @@ class GatewayLaunch:
     max_sessions: int = GatewaySettings.max_sessions
     max_held_tokens: int = GatewaySettings.max_held_tokens
     session_ttl_s: float = GatewaySettings.session_ttl_s
+    engine_timeout_s: float = GatewaySettings.engine_timeout_s
+    journal_dir: Path | None = None
+    journal_sync: JournalSync = GatewaySettings.journal_sync
+    workers: int = 1
     served_model_name: str | None = None
 
     def gateway_options(self) -> dict[str, Any]:
@@ -61,6 +70,9 @@ class GatewayLaunch:
             "max_sessions": self.max_sessions,
             "max_held_tokens": self.max_held_tokens,
             "session_ttl_s": self.session_ttl_s,
+            "engine_timeout_s": self.engine_timeout_s,
+            "journal_dir": self.journal_dir,
+            "journal_sync": self.journal_sync,
         }
         if self.served_model_name is not None:
             options["model_name"] = self.served_model_name
@@ -84,7 +96,12 @@ class GatewayLaunch:
             *("--max-sessions", str(self.max_sessions)),
             *("--max-held-tokens", str(self.max_held_tokens)),
             *("--session-ttl", str(self.session_ttl_s)),
+            *("--engine-timeout", str(self.engine_timeout_s)),
+            *("--journal-sync", self.journal_sync),
+            *("--workers", str(self.workers)),
         ]
+        if self.journal_dir is not None:
+            argv += ["--journal", str(self.journal_dir)]
         if self.served_model_name is not None:
             argv += ["--served-model-name", self.served_model_name]
         return argv

@@ -15,6 +15,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from corral.gateway.journal import SessionJournal
 from corral.gateway.sessions import SessionStore
 from corral.gateway.turns import Usage
 
@@ -25,7 +26,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class GatewayMetrics:
-    def __init__(self, store: SessionStore) -> None:
+    def __init__(self, store: SessionStore, journal: SessionJournal | None = None) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "corral_gateway_requests",
@@ -54,6 +55,8 @@ class GatewayMetrics:
             registry=self.registry,
         )
         self.registry.register(_StoreCollector(store))
+        if journal is not None:
+            self.registry.register(_JournalCollector(journal))
 
     def request(self, route: str, dialect: str, status: int, seconds: float | None) -> None:
         self.requests.labels(route, dialect, str(status)).inc()
@@ -94,3 +97,20 @@ class _StoreCollector:
         for reason, count in sorted(stats.decisions_by_reason.items()):
             reasons.add_metric([reason], count)
         yield reasons
+
+
+class _JournalCollector:
+    """The session journal's costs and output, read at scrape time."""
+
+    def __init__(self, journal: SessionJournal) -> None:
+        self.journal = journal
+
+    def collect(self) -> Iterator[Any]:
+        j = self.journal
+        for name, value, doc in (
+            ("journal_seconds", j.seconds, "Time the journal took on the gateway's loop"),
+            ("journal_records", j.records, "Records the journal wrote"),
+            ("journal_bytes", j.bytes_written, "Bytes the journal wrote"),
+            ("journal_write_errors", j.write_errors, "Journal writes that failed (it stopped)"),
+        ):
+            yield CounterMetricFamily(f"corral_gateway_{name}", doc, value=value)

@@ -648,11 +648,7 @@ class TurnPipeline:
         """Record a delivered answer. Raises ``SessionClosed`` (nothing recorded) when the
         session was deleted meanwhile."""
         for i, turn in enumerate(answer.turns):
-            decision = session.record(turn)
-            if answer.conversations:
-                appended = decision.action == "append"
-                conversation = answer.conversations[i]
-                session.conversations.record(decision.trajectory, appended, conversation)
+            session.record(turn, answer.conversations[i] if answer.conversations else None)
 
     async def _abort_all(self, rids: Sequence[str]) -> None:
         async def abort(rid: str) -> None:

@@ -11,7 +11,12 @@ import aiohttp
 from starlette.applications import Starlette
 from transformers import AutoConfig, AutoTokenizer
 
+from corral.engines.affinity import SessionAffineEngines
 from corral.engines.client import EngineApi, engine_urls, make_engine_client
+from corral.engines.health import HealthMonitor
+from corral.engines.protocol import ModelInfo
+from corral.engines.sglang import SGLangClient
+from corral.engines.vllm import VLLMClient
 from corral.gateway.app import build_gateway_app
 from corral.gateway.pipeline import TurnPipeline
 from corral.gateway.settings import GatewaySettings
@@ -21,6 +26,12 @@ log = logging.getLogger(__name__)
 # How long the start-up check waits for the engine's /health: SGLang's may run a one-token
 # generation and take up to 20 s (the engine client's health probe waits as long).
 HEALTH_CHECK_TIMEOUT_S = 30.0
+# Several engines: how often each is probed, and how long a probe may take (one GET /health,
+# no retry). Two failed probes in a row mark an engine down: a hung one within ~7 s.
+ENGINE_PROBE_INTERVAL_S = 2.0
+ENGINE_PROBE_TIMEOUT_S = 2.5
+# How long loading the current weights into a revived engine may take.
+CATCH_UP_TIMEOUT_S = 900.0
 
 
 def model_context_length(model_path: str | Path) -> int:
@@ -52,6 +63,13 @@ def create_gateway(
     ``model_path`` is a Hugging Face folder: its tokenizer and chat template render prompts
     (the engine's weights may live elsewhere). ``settings`` defaults are filled from the
     model: its folder name as the model name, its context window.
+
+    Several engines: a :class:`~corral.engines.health.HealthMonitor` (:func:`engine_monitor`)
+    watches them while the app runs; engines down or serving stale weights get no requests,
+    and a request that fails on one before any output is retried on the next
+    (:class:`~corral.engines.affinity.SessionAffineEngines`). One engine: no monitor (there
+    is nowhere else to go); the start-up check logs whether it answers, and the gateway's
+    ``/health`` asks it on every call.
     """
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     if settings is None:
@@ -64,8 +82,16 @@ def create_gateway(
         engine_api, engine_url, timeout=settings.engine_timeout_s, api_key=engine_token
     )
     pipeline = TurnPipeline(settings, engine, tokenizer)
+    monitor: HealthMonitor | None = None
+    if isinstance(engine, SessionAffineEngines):
+        monitor = engine.monitor = engine_monitor(engine, engine_api, token=engine_token)
 
     async def startup_check() -> None:
+        if monitor is not None:
+            # Its first round logs each engine up or down; then it watches them until the
+            # gateway stops (this task is cancelled then).
+            await monitor.run()
+            return
         for url in engine_urls(engine_url):
             await check_engine(
                 url,
@@ -73,7 +99,64 @@ def create_gateway(
                 token=engine_token,
             )
 
-    return build_gateway_app(settings, engine, pipeline, startup_check=startup_check)
+    app = build_gateway_app(
+        settings,
+        engine,
+        pipeline,
+        startup_check=startup_check,
+        engine_states=engine.engine_states if isinstance(engine, SessionAffineEngines) else None,
+    )
+    # Where the engines' states can be read (tests, an operator's shell); None for one engine.
+    app.state.engine_monitor = monitor
+    return app
+
+
+def engine_monitor(
+    engines: SessionAffineEngines,
+    engine_api: EngineApi,
+    *,
+    token: str | None = None,
+    interval_s: float = ENGINE_PROBE_INTERVAL_S,
+    probe_timeout_s: float = ENGINE_PROBE_TIMEOUT_S,
+) -> HealthMonitor:
+    """The health monitor of ``engines``: probes each one's ``GET /health`` (one try, no
+    retry, ``probe_timeout_s``) every ``interval_s``, and checks the weight version of one
+    that comes back (``GET /get_model_info``) against the engines up.
+
+    A stale SGLang engine (SGLang, corral's local engine) is brought current by the gateway:
+    an engine that is up reports the folder it last loaded as its ``model_path`` (SGLang sets
+    it on every successful ``update_weights_from_disk``, the local engine too), so the
+    revived one is sent ``update_weights_from_disk`` with that folder and version (the
+    folder must be readable from every engine, as :class:`~corral.trainer.weights.
+    DiskWeightSync` already needs). A vLLM engine reports its launch model there, not the
+    folder it last reloaded: a stale one is held out until something else loads it."""
+    urls = engines.names
+
+    async def probe(index: int) -> str | None:
+        return await engine_health_problem(urls[index], timeout_s=probe_timeout_s, token=token)
+
+    async def model_info(index: int) -> ModelInfo:
+        return await engines.engines[index].get_model_info()
+
+    async def catch_up(index: int, reference: ModelInfo) -> None:
+        client = engines.engines[index]
+        if not isinstance(client, SGLangClient) or isinstance(client, VLLMClient):
+            raise TypeError(f"cannot load weights into a {type(client).__name__}")
+        await client.update_weights_from_disk(
+            reference.model_path,
+            weight_version=reference.weight_version,
+            read_timeout=CATCH_UP_TIMEOUT_S,
+        )
+
+    return HealthMonitor(
+        urls,
+        probe,
+        model_info=model_info,
+        catch_up=catch_up if engine_api == "sglang" else None,
+        interval_s=interval_s,
+        probe_timeout_s=probe_timeout_s,
+        catch_up_timeout_s=CATCH_UP_TIMEOUT_S,
+    )
 
 
 async def check_engine(

@@ -9,6 +9,10 @@ Lifecycle: ``SessionStore.create`` -> turns are ``record``ed -> reward set -> ``
 never found again and never recreated, and a turn that finishes after the delete raises
 :class:`SessionClosed` instead of resurrecting it.
 
+With a :class:`SessionLog` attached (the gateway's journal, :mod:`corral.gateway.journal`),
+every change above is handed to it as it happens, so that a restarted gateway can rebuild the
+session exactly: :meth:`SessionStore.restore` and the same calls, replayed.
+
 Not thread-safe: the gateway runs on one event loop and calls all of this from it, never from
 worker threads; nothing here awaits, so each call is atomic with respect to that loop.
 """
@@ -20,11 +24,11 @@ import secrets
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 from corral.gateway.client import SessionPage, SessionSummary
-from corral.gateway.history import ConversationIndex
+from corral.gateway.history import ConversationIndex, HeldConversation, TurnConversation
 from corral.gateway.options import SessionOptions
 from corral.gateway.recording import (
     Decode,
@@ -60,6 +64,56 @@ class StoreFull(SessionError):
 RecordListener = Callable[[MergeDecision, int], None]
 
 
+@dataclass(frozen=True, slots=True)
+class RecordedTurn:
+    """One recorded turn as a :class:`SessionLog` gets it: the turn, what the merger did with
+    it, the message positions the merger asked for (``starts``: token position -> message
+    index, when the turn's ``message_starts`` is a callable), the conversation the turn left
+    for token history and the one held for its trajectory before it (``previous``)."""
+
+    turn: TurnRecord
+    decision: MergeDecision
+    starts: dict[int, int] | None
+    conversation: TurnConversation | None
+    previous: HeldConversation | None
+
+
+class SessionLog(Protocol):
+    """What a session store tells its log (the journal), each call as the change happens.
+
+    Contract: a log never raises into the gateway's request path for its own failures (it
+    reports them); what it was handed before a call returned is on its way to storage."""
+
+    def opened(self, session: Session) -> None: ...
+
+    def recorded(self, session: Session, recorded: RecordedTurn) -> None: ...
+
+    def rewarded(self, session: Session) -> None: ...
+
+    def failed(self, session: Session) -> None: ...
+
+    def remembered(self, session: Session, key: str, value: Any) -> None: ...
+
+    def kept(self, session: Session, response_id: str, value: Any) -> None: ...
+
+    def closed(self, session_id: str) -> None: ...
+
+
+class _AskedStarts:
+    """A turn's ``message_starts`` callable that remembers what it was asked (for the log)."""
+
+    __slots__ = ("asked", "find")
+
+    def __init__(self, find: Callable[[int], int]) -> None:
+        self.find = find
+        self.asked: dict[int, int] = {}
+
+    def __call__(self, position: int) -> int:
+        if position not in self.asked:
+            self.asked[position] = self.find(position)
+        return self.asked[position]
+
+
 class Session:
     """One gateway session. Create it through :meth:`SessionStore.create`.
 
@@ -76,9 +130,10 @@ class Session:
         decode: Decode | None = None,
         on_record: RecordListener | None = None,
         replay_cache_size: int = REPLAY_CACHE_SIZE,
+        api_key: str | None = None,
     ) -> None:
         self.id = session_id
-        self.api_key = secrets.token_urlsafe(32)
+        self.api_key = api_key if api_key is not None else secrets.token_urlsafe(32)
         self.options = options
         self.ttl_s = ttl_s
         self._clock = clock
@@ -97,6 +152,8 @@ class Session:
         self._closed = False
         self._reward: float | None = None
         self._failure: str | None = None
+        # The store's log, once the session is created or restored (None: no journal).
+        self.log: SessionLog | None = None
 
     # -- state ---------------------------------------------------------------------------
 
@@ -142,8 +199,11 @@ class Session:
 
     # -- turns ---------------------------------------------------------------------------
 
-    def record(self, turn: TurnRecord) -> MergeDecision:
-        """Merge a served turn into the session's trajectories.
+    def record(
+        self, turn: TurnRecord, conversation: TurnConversation | None = None
+    ) -> MergeDecision:
+        """Merge a served turn into the session's trajectories, and remember the conversation
+        it leaves (token history's :class:`ConversationIndex`) when one is given.
 
         Raises :class:`SessionClosed` if the session was deleted or expired meanwhile (nothing
         is recorded then). The store's token cap is not enforced here: the gateway checks it
@@ -151,11 +211,23 @@ class Session:
         generated are worth keeping.
         """
         self._ensure_open()
+        asked: _AskedStarts | None = None
+        if self.log is not None and callable(turn.message_starts):
+            asked = _AskedStarts(turn.message_starts)
+            turn = replace(turn, message_starts=asked)
         before = self._merger.held_tokens
         decision = self._merger.add(turn)
+        previous = None
+        if conversation is not None:
+            previous = self.conversations.held(decision.trajectory)
+            appended = decision.action == "append"
+            self.conversations.record(decision.trajectory, appended, conversation)
         self.touch()
         if self._on_record is not None:
             self._on_record(decision, self._merger.held_tokens - before)
+        if self.log is not None:
+            starts = None if asked is None else asked.asked
+            self.log.recorded(self, RecordedTurn(turn, decision, starts, conversation, previous))
         return decision
 
     def set_reward(self, reward: float) -> None:
@@ -165,6 +237,8 @@ class Session:
             raise ValueError(f"reward must be a finite number, got {reward!r}")
         self._reward = float(reward)
         self.touch()
+        if self.log is not None:
+            self.log.rewarded(self)
 
     def mark_failed(self, reason: str) -> None:
         """Flag the episode as failed: every sample gets status ``failed`` and the reason, so
@@ -172,6 +246,8 @@ class Session:
         self._ensure_open()
         self._failure = reason
         self.touch()
+        if self.log is not None:
+            self.log.failed(self)
 
     # -- replay cache --------------------------------------------------------------------
 
@@ -181,6 +257,8 @@ class Session:
         self._replay.move_to_end(key)
         while len(self._replay) > self._replay_cache_size:
             self._replay.popitem(last=False)
+        if self.log is not None:
+            self.log.remembered(self, key, response)
 
     def recall(self, key: str) -> Any | None:
         """The remembered answer to request ``key``, or ``None``."""
@@ -192,6 +270,8 @@ class Session:
         self._kept.move_to_end(response_id)
         while len(self._kept) > KEPT_RESPONSES:
             self._kept.popitem(last=False)
+        if self.log is not None:
+            self.log.kept(self, response_id, value)
 
     def kept_response(self, response_id: str) -> Any | None:
         return self._kept.get(response_id)
@@ -328,6 +408,7 @@ class SessionStore:
 
     ``default_ttl_s`` applies to sessions whose options give none (``None``: no expiry).
     ``clock`` is injectable for tests. ``decode`` (ids -> text) is used for drift snippets.
+    ``id_prefix`` starts every session id and api key made here (a gateway worker's mark).
     Not thread-safe: call it from the gateway's event loop only.
     """
 
@@ -338,14 +419,17 @@ class SessionStore:
         default_ttl_s: float | None,
         clock: Callable[[], float] = time.monotonic,
         decode: Decode | None = None,
+        id_prefix: str = "",
     ) -> None:
         self.max_sessions = max_sessions
+        self.id_prefix = id_prefix
         self.max_held_tokens = max_held_tokens
         self.default_ttl_s = default_ttl_s
         self._clock = clock
         self._decode = decode
         self._sessions: dict[str, Session] = {}
         self._by_key: dict[str, str] = {}
+        self._log: SessionLog | None = None
         self._held_tokens = 0
         self._reasons: Counter[str] = Counter()
         self._turns = 0
@@ -381,7 +465,7 @@ class SessionStore:
                 f"session store is full: holding {self._held_tokens} tokens "
                 f"(max_held_tokens={self.max_held_tokens}); retry after some sessions end"
             )
-        session_id = secrets.token_hex(12)
+        session_id = self.id_prefix + secrets.token_hex(12)
         ttl = options.ttl_s if options.ttl_s is not None else self.default_ttl_s
         session = Session(
             session_id,
@@ -390,11 +474,50 @@ class SessionStore:
             clock=self._clock,
             decode=decode or self._decode,
             on_record=self._on_record,
+            api_key=self.id_prefix + secrets.token_urlsafe(32),
         )
-        self._sessions[session_id] = session
-        self._by_key[session.api_key] = session_id
+        self._add(session)
         self._created += 1
+        if self._log is not None:
+            self._log.opened(session)
         return session
+
+    def restore(
+        self, session_id: str, api_key: str, options: SessionOptions, ttl_s: float | None
+    ) -> Session:
+        """Open a session again under its old id and key (a journal's replay): not counted,
+        not logged, not refused at a cap (it was admitted once); its TTL counts from now.
+        ``ValueError`` when the id or the key is taken."""
+        if session_id in self._sessions or api_key in self._by_key:
+            raise ValueError(f"session {session_id!r} (or its key) is already open")
+        session = Session(
+            session_id,
+            options,
+            ttl_s=ttl_s,
+            clock=self._clock,
+            decode=self._decode,
+            on_record=self._on_record,
+            api_key=api_key,
+        )
+        self._add(session)
+        return session
+
+    def attach_log(self, log: SessionLog | None) -> None:
+        """Hand every change from now on to ``log`` (every open session's, and new ones')."""
+        self._log = log
+        for session in self._sessions.values():
+            session.log = log
+
+    def reset_counters(self) -> None:
+        """Zero the counters (not the gauges): a replay's turns are no new traffic."""
+        self._reasons.clear()
+        self._turns = self._merges = self._forks = 0
+        self._created = self._deleted = self._expired = 0
+
+    def _add(self, session: Session) -> None:
+        session.log = self._log
+        self._sessions[session.id] = session
+        self._by_key[session.api_key] = session.id
 
     def get(self, session_id: str) -> Session:
         """The open session ``session_id``, marked used. Raises :class:`SessionNotFound` if it
@@ -481,6 +604,8 @@ class SessionStore:
         del self._sessions[session.id]
         del self._by_key[session.api_key]
         self._held_tokens -= session.held_tokens
+        if self._log is not None:
+            self._log.closed(session.id)
 
     def _on_record(self, decision: MergeDecision, added_tokens: int) -> None:
         self._held_tokens += added_tokens

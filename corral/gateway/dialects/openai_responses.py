@@ -147,7 +147,7 @@ class _Wire:
 
 
 @dataclass(frozen=True)
-class _Kept:
+class KeptResponse:
     """A response kept in the session for ``previous_response_id`` (``stored`` False: made with
     ``store: false``; kept only to say so)."""
 
@@ -406,7 +406,7 @@ def _previous(ctx: RequestContext, response_id: str | None) -> list[dict[str, An
     if response_id is None:
         return []
     kept = ctx.session.kept_response(response_id)
-    if not isinstance(kept, _Kept):
+    if not isinstance(kept, KeptResponse):
         raise bad_request(
             f"previous_response_id '{response_id}' is not known in this session: the gateway "
             f"keeps the last {KEPT_RESPONSES} responses made with store: true, per session",
@@ -772,9 +772,9 @@ def _keep(ctx: RequestContext, wire: _Wire, response_id: str, output: list[dict[
     ``store: false``, so that naming it later gets a 400 that says why). Idempotent: a replayed
     retry keeps the same thing again."""
     if wire.store:
-        kept = _Kept(stored=True, input=wire.conversation, output=tuple(output))
+        kept = KeptResponse(stored=True, input=wire.conversation, output=tuple(output))
     else:
-        kept = _Kept(stored=False)
+        kept = KeptResponse(stored=False)
     ctx.session.keep_response(response_id, kept)
 
 
