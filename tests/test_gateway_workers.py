@@ -41,7 +41,7 @@ from corral.gateway.workers import (
 from corral.processes import ChildServer, child_server
 from tests.gateway_stack import check_exact_calls
 from tests.scripted_engine import Received, ScriptedEngine
-from tests.servers import serve
+from tests.servers import raw_connect, serve
 
 ADMIN = "workers-test-admin"
 ADMIN_VAR = "CORRAL_WORKERS_TEST_ADMIN"
@@ -159,6 +159,9 @@ def test_owner_marks_are_read_back_exactly() -> None:
     key = [(b"authorization", b"Bearer w1.secret")]
     assert route("POST", "/v1/chat/completions", key, me=0, workers=2).worker == 1
     assert route("POST", "/v1/messages", [(b"x-api-key", b"w1.k")], me=0, workers=2).worker == 1
+    # Two Authorization headers: the first counts, as in the app behind the router.
+    twice = [(b"authorization", b"Bearer w1.k"), (b"authorization", b"Bearer w0.k")]
+    assert route("POST", "/v1/chat/completions", twice, me=0, workers=2).worker == 1
     assert route("GET", "/sessions/w1.ab/samples", [], me=1, workers=2).where == "here"
     assert route("GET", "/sessions/w5.ab", [], me=0, workers=2).where == "here"  # no worker 5
     assert route("POST", "/sessions", [], me=0, workers=2).where == "here"
@@ -295,6 +298,50 @@ def test_a_journal_written_by_other_workers_is_refused(
     )
     assert out.returncode == 2, out.stderr
     assert "written by a gateway with --workers 2" in out.stderr
+
+
+def wait_for(what: str, condition: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(0.05)  # polling another process's state, not synchronising threads
+
+
+def test_a_client_gone_before_a_forwarded_answer_records_nothing(gateway: Gateway) -> None:
+    """A client that hangs up while the engine works: its turn is aborted and not recorded,
+    whichever worker took the connection (a relay must pass the hang-up on to the owner)."""
+    sessions = open_sessions(gateway.url, 6, start=700)
+    port = int(gateway.url.rsplit(":", 1)[1])
+    aborts = len(gateway.engine.aborts)
+    gateway.engine.delay_s = 1.0  # per token: the answer takes seconds
+    try:
+        for s in sessions:
+            body = json.dumps({"model": "tiny", "messages": s["messages"]}).encode()
+            path = s["base_url"].split(str(port), 1)[1] + "/chat/completions"
+            head = (
+                f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                f"Authorization: Bearer {s['api_key']}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n"
+            )
+            marker = f"task {s['metadata_k']:03d} here"
+            with raw_connect(port, 10) as sock:
+                sock.sendall(head.encode() + body)
+                wait_for(
+                    "the engine got the turn",
+                    lambda m=marker: bool(requests_of(gateway.engine, gateway.tokenizer, m)),
+                    10,
+                )
+            # Closed here: before any answer.
+        wait_for(
+            "every turn aborted at the engine",
+            lambda: len(gateway.engine.aborts) >= aborts + len(sessions),
+            30,
+        )
+    finally:
+        gateway.engine.delay_s = 0.0
+    for s in sessions:
+        r = fresh("GET", f"{gateway.url}/sessions/{s['id']}/samples", headers=AUTH)
+        assert r.status_code == 200 and r.json() == [], (s["id"], r.text)
 
 
 def test_a_killed_worker_is_restarted_with_its_sessions(gateway: Gateway) -> None:

@@ -342,3 +342,64 @@ def test_the_codec_builds_no_class_it_does_not_know() -> None:
     with pytest.raises(TypeError, match="cannot keep"):
         encode_value(object())
     assert dec([104, 105]) == "hi"
+
+
+def test_any_string_a_client_sends_survives_the_round_trip(tmp_path: Path) -> None:
+    """A lone surrogate is valid JSON in a request body; the journal must keep it exactly."""
+    store = journalled(tmp_path)
+    session = store.create(SessionOptions(metadata={"note": "R \ud800 \u2028 \x00"}))
+    turn = make_turn([msg("user", "q \udfff")], "A|")
+    session.record(turn)
+    rebuilt = journalled(tmp_path).get(session.id)
+    assert state(rebuilt) == state(session)
+    assert rebuilt.options.metadata["note"] == "R \ud800 \u2028 \x00"
+
+
+def test_a_record_it_cannot_encode_stops_the_journal_and_says_so(
+    tmp_path: Path, caplog: Any
+) -> None:
+    store = journalled(tmp_path)
+    session = store.create(SessionOptions())
+    session.record(make_turn([msg("user", "q")], "A|", metadata={"odd": {1, 2}}))
+    assert len(session.samples()) == 1  # the turn is recorded in memory all the same
+    assert "TypeError encoding a record" in caplog.text and "stops here" in caplog.text
+    session.set_reward(1.0)  # after a hole nothing more is written
+    rebuilt = journalled(tmp_path).get(session.id)
+    assert rebuilt.samples() == [] and rebuilt.reward is None
+
+
+def test_a_segment_is_synced_before_it_is_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    journal = SessionJournal(tmp_path, sync="always", segment_bytes=300)
+    store = make_store()
+    journal.restore_into(store)
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    for _ in range(3):
+        store.create(SessionOptions())  # each past 300 bytes: a new segment
+    newest = max(int(p.name[8:14]) for p in tmp_path.glob("segment-*.log"))
+    assert newest >= 3
+    # Every segment left behind was synced before its fd closed (segment 1, the compaction's,
+    # is deleted after that: nothing live was written there).
+    for n in range(1, newest):
+        assert any(path.endswith(f"segment-{n:06d}.log") for path in synced), (n, synced)
+    synced.clear()
+    asyncio.run(journal.durable())
+    assert len(synced) == 1 and synced[0].endswith(f"segment-{newest:06d}.log")
+
+
+def test_a_response_kept_after_the_session_closed_is_not_journalled(tmp_path: Path) -> None:
+    store = journalled(tmp_path)
+    session = store.create(SessionOptions())
+    store.delete(session.id)
+    before = sum(p.stat().st_size for p in tmp_path.glob("*.log"))
+    session.keep_response("resp_late", KeptResponse(stored=True))
+    assert sum(p.stat().st_size for p in tmp_path.glob("*.log")) == before
+    assert session.kept_response("resp_late") is None

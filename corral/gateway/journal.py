@@ -78,7 +78,9 @@ class Restored:
 
 
 def _line(record: dict[str, Any]) -> bytes:
-    body = json.dumps(record, separators=(",", ":"), ensure_ascii=False).encode()
+    # ASCII escapes: any string a client sends (a lone surrogate included) survives the round
+    # trip, where UTF-8 would refuse some.
+    body = json.dumps(record, separators=(",", ":")).encode()
     return b"%08x %s\n" % (zlib.crc32(body), body)
 
 
@@ -276,6 +278,8 @@ class SessionJournal:
 
     def _open_segment(self, segment: int) -> None:
         if self._fd is not None:
+            # Synced before it is left: later syncs cover only the segment being written.
+            os.fsync(self._fd)
             os.close(self._fd)
             if not self._in_segment.get(self._segment):  # nothing live was written there
                 self._in_segment.pop(self._segment, None)
@@ -322,7 +326,11 @@ class SessionJournal:
         if self._fd is None or self.write_errors:
             return
         start = time.perf_counter()
-        line = _line(record())
+        try:
+            line = _line(record())
+        except Exception as exc:  # a value it cannot keep: a hole, so the journal stops
+            self._stop(f"a {type(exc).__name__} encoding a record: {exc}")
+            return
         if self._batch is not None:
             self._batch.append((session_id, line))
         else:
@@ -340,18 +348,21 @@ class SessionJournal:
             if written != len(line):
                 raise OSError(f"a short write ({written} of {len(line)} bytes)")
         except OSError as exc:
-            self.write_errors += 1
-            log.error(
-                "journal %s: a write failed (%s); the journal stops here, and sessions from "
-                "now on will not survive a restart",
-                self.folder,
-                exc,
-            )
+            self._stop(f"a write failed ({exc})")
             return
         self._size += len(line)
         self.bytes_written += len(line)
         for session_id in session_ids:
             self._note(session_id)
+
+    def _stop(self, why: str) -> None:
+        self.write_errors += 1
+        log.error(
+            "journal %s: %s; the journal stops here, and sessions from now on will not "
+            "survive a restart",
+            self.folder,
+            why,
+        )
 
     # -- SessionLog --------------------------------------------------------------------------------
 
@@ -407,7 +418,7 @@ class SessionJournal:
         if self.sync != "always":
             return
         target = self.bytes_written
-        while self._synced < target and self._fd is not None:
+        while self._synced < target and self._fd is not None and not self.write_errors:
             if self._syncing is None:
                 self._syncing = asyncio.ensure_future(self._sync_now())
             await asyncio.shield(self._syncing)
@@ -416,8 +427,15 @@ class SessionJournal:
         try:
             upto = self.bytes_written
             if self._fd is not None:
-                await asyncio.to_thread(os.fsync, self._fd)
+                # A duplicate: the segment may roll over (closing its fd) while this runs.
+                fd = os.dup(self._fd)
+                try:
+                    await asyncio.to_thread(os.fsync, fd)
+                finally:
+                    os.close(fd)
             self._synced = upto
+        except OSError as exc:
+            self._stop(f"a sync failed ({exc})")
         finally:
             self._syncing = None
 

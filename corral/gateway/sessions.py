@@ -265,7 +265,10 @@ class Session:
         return self._replay.get(key)
 
     def keep_response(self, response_id: str, value: Any) -> None:
-        """Keep a dialect's stored response (the last :data:`KEPT_RESPONSES` are kept)."""
+        """Keep a dialect's stored response (the last :data:`KEPT_RESPONSES` are kept); a
+        closed session keeps nothing (its turn finished after it was deleted)."""
+        if self._closed:
+            return
         self._kept[response_id] = value
         self._kept.move_to_end(response_id)
         while len(self._kept) > KEPT_RESPONSES:

@@ -113,16 +113,20 @@ class Route:
 
 def _key_of(headers: Iterable[tuple[bytes, bytes]]) -> str:
     """The session key a request carries, as the gateway reads it: a bearer token, else
-    ``x-api-key``."""
-    bearer = api_key = ""
+    ``x-api-key`` (the first of each header, as Starlette's ``headers.get`` reads them)."""
+    authorization: str | None = None
+    api_key: str | None = None
     for name, value in headers:
-        if name == b"authorization":
-            scheme, _, token = value.decode("latin-1").partition(" ")
-            if scheme.lower() == "bearer":
-                bearer = token.strip()
-        elif name == b"x-api-key":
-            api_key = value.decode("latin-1").strip()
-    return bearer or api_key
+        if name == b"authorization" and authorization is None:
+            authorization = value.decode("latin-1")
+        elif name == b"x-api-key" and api_key is None:
+            api_key = value.decode("latin-1")
+    bearer = ""
+    if authorization is not None:
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() == "bearer":
+            bearer = token.strip()
+    return bearer or (api_key or "").strip()
 
 
 def route(
@@ -374,26 +378,39 @@ class WorkerRouter:
         target = scope.get("raw_path") or scope["path"].encode()
         query = scope.get("query_string") or b""
         target = target.decode("latin-1") + ("?" + query.decode("latin-1") if query else "")
+        # The client going away must reach the owner (it aborts the engine's work and records
+        # nothing): watch for it while the owner works on the answer and while it streams, and
+        # drop the owner's connection when it comes. (Not while the body is still being sent:
+        # an owner that answered early, e.g. 413, reads no more of it, and receive() is the
+        # body's until then.)
+        gone = asyncio.ensure_future(
+            _disconnected(receive) if body_read[0] else asyncio.Event().wait()
+        )
+        opening = asyncio.ensure_future(
+            self._open(worker, scope["method"], target, self._out_headers(scope["headers"]), data)
+        )
         try:
-            answer = await self._open(
-                worker, scope["method"], target, self._out_headers(scope["headers"]), data
-            )
+            await asyncio.wait({gone, opening}, return_when=asyncio.FIRST_COMPLETED)
+            if not opening.done():  # the client left before the owner answered
+                opening.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await opening
+                return
+            answer = opening.result()
         except _Unreachable:
+            gone.cancel()
             await _send_json(send, 503, _unavailable_body(worker, scope))
             return
         except (aiohttp.ClientError, ConnectionResetError) as exc:
+            gone.cancel()
             log.warning(
                 "forwarding %s %s to worker %d failed: %s", scope["method"], target, worker, exc
             )
             await _send_json(send, 503, _unavailable_body(worker, scope))
             return
-        # The client going away must reach the owner (it aborts the engine's work): watch for
-        # it while the answer streams, and drop the owner's connection when it comes. (Not
-        # while the body is still being sent: an owner that answered early, e.g. 413, reads
-        # no more of it, and receive() is the body's until then.)
-        gone = asyncio.ensure_future(
-            _disconnected(receive) if body_read[0] else asyncio.Event().wait()
-        )
+        except BaseException:
+            gone.cancel()
+            raise
         relay = asyncio.ensure_future(self._relay(answer, send))
         try:
             done, _ = await asyncio.wait({gone, relay}, return_when=asyncio.FIRST_COMPLETED)
