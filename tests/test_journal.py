@@ -5,6 +5,7 @@ group commit, and the value codec. Real files in a temporary folder; no gateway.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -84,19 +85,7 @@ def with_lazy_starts(turn: TurnRecord) -> TurnRecord:
     def message_at(position: int) -> int:
         return max(i for i, s in enumerate(starts) if s <= position)
 
-    return TurnRecord(
-        prompt_ids=turn.prompt_ids,
-        output_ids=turn.output_ids,
-        output_logprobs=turn.output_logprobs,
-        finish_reason=turn.finish_reason,
-        weight_version=turn.weight_version,
-        messages=turn.messages,
-        message_starts=message_at,
-        response=turn.response,
-        choice_group=turn.choice_group,
-        metadata=turn.metadata,
-        history="tokens",
-    )
+    return dataclasses.replace(turn, message_starts=message_at, history="tokens")
 
 
 def play(session: Session) -> None:

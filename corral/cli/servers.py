@@ -65,24 +65,29 @@ def cmd_engine(args: argparse.Namespace) -> int:
 
 def _gateway_options(args: argparse.Namespace) -> dict[str, Any]:
     """The keywords of ``create_gateway`` (after the engine URL and the model) the flags ask
-    for, tokens aside."""
-    options: dict[str, Any] = {
-        "engine_api": args.engine_api,
-        "tool_call_parser": args.tool_call_parser,
-        "reasoning_parser": args.reasoning_parser,
-        "chat_template_kwargs": args.chat_template_kwargs,
-        "client_template_kwargs": frozenset(args.chat_template_kwargs_allow),
-        "history": args.history,
-        "max_sessions": args.max_sessions,
-        "max_held_tokens": args.max_held_tokens,
-        "session_ttl_s": args.session_ttl,
-        "engine_timeout_s": args.engine_timeout,
-        "journal_dir": args.journal,
-        "journal_sync": args.journal_sync,
-    }
-    if args.served_model_name:
-        options["model_name"] = args.served_model_name
-    return options
+    for, tokens aside: the flags read as the :class:`GatewayLaunch` they spell (its
+    ``to_argv`` is their inverse), so the flag-to-setting mapping is written once."""
+    from corral.gateway.launch import GatewayLaunch
+
+    launch = GatewayLaunch(
+        engine_url=args.engine_url,
+        model=Path(args.model),
+        engine_api=args.engine_api,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        chat_template_kwargs=args.chat_template_kwargs,
+        client_template_kwargs=frozenset(args.chat_template_kwargs_allow),
+        history=args.history,
+        max_sessions=args.max_sessions,
+        max_held_tokens=args.max_held_tokens,
+        session_ttl_s=args.session_ttl,
+        engine_timeout_s=args.engine_timeout,
+        journal_dir=args.journal,
+        journal_sync=args.journal_sync,
+        workers=args.workers,
+        served_model_name=args.served_model_name or None,
+    )
+    return launch.gateway_options()
 
 
 def _claim_journal(journal: Path | None, workers: int) -> None:

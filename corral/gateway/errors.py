@@ -25,6 +25,7 @@ ErrorKind = Literal[
     "engine_error",
     "engine_unavailable",
     "engine_timeout",
+    "worker_unavailable",
     "internal",
 ]
 
@@ -47,6 +48,8 @@ ERROR_TABLE: dict[ErrorKind, _Row] = {
     "engine_error": _Row(502, "engine_error", "api_error"),
     "engine_unavailable": _Row(503, "engine_unavailable", "overloaded_error"),
     "engine_timeout": _Row(504, "engine_timeout", "api_error"),
+    # --workers: the worker holding the session is not running (being restarted).
+    "worker_unavailable": _Row(503, "worker_unavailable", "overloaded_error"),
     "internal": _Row(500, "server_error", "api_error"),
 }
 _BY_STATUS = {row.status: kind for kind, row in ERROR_TABLE.items()}

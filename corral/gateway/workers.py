@@ -55,6 +55,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from corral.gateway.errors import GatewayError
+from corral.gateway.middleware import speaks_anthropic
+
 log = logging.getLogger(__name__)
 
 Scope = MutableMapping[str, Any]
@@ -547,22 +550,15 @@ async def _disconnected(receive: Receive) -> None:
 
 
 def _unavailable_body(worker: int, scope: Scope, what: str = "this session") -> dict[str, Any]:
-    """The 503 for a worker that is not running, in the shape the request speaks (OpenAI's,
-    or Anthropic's for ``/v1/messages`` routes)."""
-    message = (
+    """The 503 for a worker that is not running, in the shape the request speaks (the
+    gateway's error table, as every other gateway error)."""
+    error = GatewayError(
+        "worker_unavailable",
         f"gateway worker {worker}, which holds {what}, is not running (it is being "
-        "restarted); retry shortly"
+        "restarted); retry shortly",
+        code="worker_unavailable",
     )
-    if "/v1/messages" in scope.get("path", ""):
-        return {"type": "error", "error": {"type": "overloaded_error", "message": message}}
-    return {
-        "error": {
-            "message": message,
-            "type": "worker_unavailable",
-            "param": None,
-            "code": "worker_unavailable",
-        }
-    }
+    return error.anthropic_body() if speaks_anthropic(scope) else error.openai_body()
 
 
 async def _send_json(send: Send, status: int, body: Any) -> None:
